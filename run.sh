@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Chunkscope entry point.
+#   ./run.sh          set up, then start the engine (tiny model, synthetic load) and the dashboard
+#   ./run.sh setup    set up only (.venv + the project and its test extra)
+#   ./run.sh test     set up, then run the test suite (extra args go to pytest)
+# Environment:
+#   CHUNKSCOPE_TORCH  torch requirement (default torch==2.13.0, the local CPU wheel;
+#                     a GPU user sets e.g. CHUNKSCOPE_TORCH='torch==2.13.0' with a CUDA index)
+#   PORT              dashboard port (default 8501, bound to 127.0.0.1)
+#   RUN_DIR           run directory with telemetry.db and levers.json (default runs/default)
+#   PYTHON            interpreter used to create .venv (default python3.11, else python3)
+set -euo pipefail
+cd "$(dirname "$0")"
+ROOT=$(pwd)
+VENV="$ROOT/.venv"
+TORCH_REQ=${CHUNKSCOPE_TORCH:-torch==2.13.0}
+
+setup() {
+  if [ ! -x "$VENV/bin/python" ]; then
+    local py=${PYTHON:-$(command -v python3.11 || command -v python3)}
+    echo "[setup] creating $VENV with $py"
+    "$py" -m venv "$VENV"
+  fi
+  # The stamp records what was installed; a second run with nothing changed is a no-op.
+  local stamp="$VENV/.chunkscope-stamp"
+  local want
+  want="$(cat pyproject.toml | sha256sum | cut -c1-16) $TORCH_REQ"
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    return 0
+  fi
+  echo "[setup] installing $TORCH_REQ and the project (test extra included)"
+  "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+  # torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
+  "$VENV/bin/python" -m pip install -q "$TORCH_REQ"
+  "$VENV/bin/python" -m pip install -q -e ".[test]" "$TORCH_REQ"
+  echo "$want" > "$stamp"
+}
+
+start() {
+  local port=${PORT:-8501}
+  local run_dir=${RUN_DIR:-runs/default}
+  local engine_cmd=("$VENV/bin/python" -m engine serve --model tiny --run-dir "$run_dir" --workload synthetic --rate 4)
+  local dash_cmd=("$VENV/bin/python" -m streamlit run dashboard/app.py --server.address 127.0.0.1 --server.port "$port" -- --run-dir "$run_dir")
+  if [ ! -f engine/serve.py ] || [ ! -f dashboard/app.py ]; then
+    echo "[run] engine or dashboard not built yet; would run:"
+    echo "  ${engine_cmd[*]}"
+    echo "  ${dash_cmd[*]}"
+    return 0
+  fi
+  mkdir -p "$run_dir"
+  "${engine_cmd[@]}" &
+  local engine_pid=$!
+  "${dash_cmd[@]}" &
+  local dash_pid=$!
+  # Ctrl-C / SIGTERM stops both; the engine drains its telemetry on SIGTERM.
+  trap 'kill -TERM $engine_pid $dash_pid 2>/dev/null; wait $engine_pid $dash_pid 2>/dev/null; exit 0' INT TERM
+  echo "[run] engine pid $engine_pid, dashboard http://127.0.0.1:$port (run dir $run_dir); Ctrl-C stops both"
+  wait -n $engine_pid $dash_pid || true
+  kill -TERM $engine_pid $dash_pid 2>/dev/null || true
+  wait $engine_pid $dash_pid 2>/dev/null || true
+}
+
+cmd=${1:-start}
+case "$cmd" in
+  setup) setup ;;
+  test)
+    shift
+    setup
+    exec "$VENV/bin/python" -m pytest "$@"
+    ;;
+  start) setup; start ;;
+  *) echo "usage: ./run.sh [setup|test [pytest args]]" >&2; exit 2 ;;
+esac

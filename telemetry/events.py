@@ -1,0 +1,213 @@
+"""Typed telemetry events: the contract between the engine and the dashboard.
+
+Every event becomes one row of the table named by its ``TABLE``. Every row
+carries ``run_id`` (filled in by the writer), the scheduler ``tick`` and
+``t_ns``, a monotonic time in nanoseconds since the run started. Field names
+are column names; ``None`` means "not known / not applicable".
+
+Plain Python only: no torch, no engine imports (a test enforces it).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+SCHEMA_VERSION = 1
+
+# Tick / chunk paths.
+PATH_MIXED = "mixed"
+PATH_PREFILL = "prefill"
+PATH_DECODE = "decode"
+PATH_IDLE = "idle"
+
+# Chunk length rules (which rule set the planned length), see engine/scheduler/chunk_plan.py.
+CAP_REMAINING = "remaining"            # the whole remainder fit under every cap
+CAP_MAX_PREFILL = "max_prefill_tokens"
+CAP_SLICE_BUDGET = "slice_budget"
+CAP_WHOLE_PROMPT = "whole_prompt_mla"  # MLA-style model: never split
+CAP_SSM_TAIL = "ssm_tail_cut"
+CAP_BLOCK_ALIGN = "block_align"
+CAP_TAIL_SPLIT = "tail_split"
+
+# Can-mix blockers (None when mixing was allowed).
+BLOCK_BISECT = "bisect_no_mix"
+BLOCK_NO_DECODES = "no_active_decodes"
+BLOCK_EXPERT_PARALLEL = "expert_parallel"
+BLOCK_SPECULATION = "speculation"
+
+# Request statuses.
+REQ_WAITING = "waiting"
+REQ_PREFILLING = "prefilling"
+REQ_DECODING = "decoding"
+REQ_FINISHED = "finished"
+REQ_ERROR = "error"
+REQ_PREEMPTED = "preempted"
+REQ_REJECTED = "rejected"
+
+
+@dataclass
+class Event:
+    """Base: every row has a tick and a run-relative monotonic time."""
+
+    TABLE: ClassVar[str] = "events"
+    tick: int
+    t_ns: int
+
+    def row(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class RunStarted:
+    """One row in ``runs``; inserted when a run starts, updated on finish."""
+
+    TABLE: ClassVar[str] = "runs"
+    started_at: float                   # wall clock (unix seconds), for display only
+    model: str                          # "tiny" or a checkpoint directory name
+    device: str                         # "cpu", "cuda:0 (NVIDIA H200)", ...
+    config: dict[str, Any]              # engine config (kv blocks, block size, slots, ...)
+    model_config: dict[str, Any]        # the checkpoint's config.json (text part)
+    versions: dict[str, str]            # python, torch, sqlite, ...
+    workload: dict[str, Any]            # kind, rate, seed, scale factors, ...
+    levers: dict[str, Any]              # lever values at start
+    command_line: str = ""
+    checkpoint_hash: str = ""
+    status: str = "running"             # running / finished / crashed
+    schema_version: int = SCHEMA_VERSION
+
+    def row(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class Tick(Event):
+    TABLE: ClassVar[str] = "ticks"
+    path: str = PATH_IDLE               # mixed / prefill / decode / idle
+    duration_ns: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_active: int = 0                 # decoding sequences
+    num_waiting: int = 0
+    num_prefilling: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0            # usable blocks (after kv_blocks_cap)
+    ssm_slots_used: int = 0
+    ssm_slots_total: int = 0
+    num_finished: int = 0               # requests that finished this tick
+
+
+@dataclass
+class ChunkDecision(Event):
+    TABLE: ClassVar[str] = "chunks"
+    request_id: int = 0
+    offset: int = 0
+    length: int = 0                     # final planned length
+    prompt_len: int = 0
+    is_last: bool = False
+    cap_rule: str = CAP_REMAINING       # the rule that set the length
+    max_prefill_tokens: int = 0
+    slice_budget: int | None = None     # None unless always_mixed
+    ssm_tail_boundary: int | None = None
+    path: str = PATH_PREFILL            # mixed / prefill
+    can_mix: bool = False
+    mix_blocker: str | None = None      # one of BLOCK_* or None
+    decode_width: int = 0
+    duration_ns: int = 0
+    outcome: str = "ok"                 # ok / error / failed_kv
+    num_preempted: int = 0              # victims this chunk needed
+
+
+@dataclass
+class StreamEvent(Event):
+    TABLE: ClassVar[str] = "stream_events"
+    kind: str = "record"                # record / wait / sync
+    stream: str = "default"             # default / prefill / secondary
+    event_name: str = ""
+    seq: int = 0                        # links a wait to the record it waits for
+    target_stream: str | None = None    # the stream made to wait (for "wait")
+    gpu_elapsed_ms: float | None = None
+
+
+@dataclass
+class Preemption(Event):
+    TABLE: ClassVar[str] = "preemptions"
+    victim_request_id: int = 0
+    blocks_freed: int = 0
+    reason: str = ""
+    policy: str = "most_blocks"
+    prefill_request_id: int | None = None
+    num_remaining: int = 0
+
+
+@dataclass
+class RequestRecord(Event):
+    """Upserted by (run_id, request_id): inserted on arrival, replaced as it moves."""
+
+    TABLE: ClassVar[str] = "requests"
+    request_id: int = 0
+    status: str = REQ_WAITING
+    arrival_ns: int | None = None
+    admitted_ns: int | None = None
+    first_token_ns: int | None = None
+    finished_ns: int | None = None
+    arrival_tick: int | None = None
+    prompt_len: int = 0
+    output_len: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_miss_reason: str | None = None
+    error: str | None = None
+    finish_reason: str | None = None    # eos / stop / length / error
+    sampling: dict[str, Any] = field(default_factory=dict)  # temperature, top_k, top_p, min_p, seed, ...
+    prompt_tokens: list[int] = field(default_factory=list)
+    output_tokens: list[int] = field(default_factory=list)
+    conversation_id: int | None = None
+
+
+@dataclass
+class RequestEvent(Event):
+    """One lifecycle step (arrived / admitted / prefill_start / first_token / preempted / finished / error)."""
+
+    TABLE: ClassVar[str] = "request_events"
+    request_id: int = 0
+    kind: str = "arrived"
+    detail: str | None = None
+
+
+@dataclass
+class TokenEvent(Event):
+    """One generated token: ITL percentiles come from consecutive rows of a request."""
+
+    TABLE: ClassVar[str] = "tokens"
+    request_id: int = 0
+    index: int = 0                      # position in the output
+    token_id: int = 0
+
+
+@dataclass
+class LeverChange(Event):
+    TABLE: ClassVar[str] = "lever_changes"
+    name: str = ""
+    old: Any = None
+    new: Any = None
+    source: str = "file"                # default / env / file / dashboard / replay
+    status: str = "applied"             # applied / rejected
+    reason: str | None = None
+    file_version: int | None = None
+
+
+@dataclass
+class GenericEvent(Event):
+    """Rarer things: drafts dropped, SSM normalization acted or failed, telemetry trouble."""
+
+    TABLE: ClassVar[str] = "events"
+    kind: str = ""
+    request_id: int | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+EVENT_TYPES: tuple[type, ...] = (
+    Tick, ChunkDecision, StreamEvent, Preemption, RequestRecord,
+    RequestEvent, TokenEvent, LeverChange, GenericEvent,
+)
+TABLES: tuple[str, ...] = ("runs",) + tuple(t.TABLE for t in EVENT_TYPES)
