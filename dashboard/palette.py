@@ -1,0 +1,27 @@
+"""Colours and marker symbols shared by every chart, so a path looks the same on every page."""
+from __future__ import annotations
+
+PATH_COLORS = {
+    "mixed": "#7b3fe4",
+    "prefill": "#1f77b4",
+    "decode": "#2ca02c",
+    "idle": "#c7c7c7",
+}
+PHASE_COLORS = {
+    "queued": "#bdbdbd",
+    "prefilling": "#1f77b4",
+    "decoding": "#2ca02c",
+    "preempted": "#d62728",
+    "finished": "#2b2b2b",
+    "error": "#ff0000",
+}
+KIND_SYMBOLS = {"record": "triangle-up", "wait": "square", "sync": "circle"}
+FALLBACK_COLOR = "#8c564b"
+
+
+def path_color(path: object) -> str:
+    return PATH_COLORS.get(str(path), FALLBACK_COLOR)
+
+
+def phase_color(phase: object) -> str:
+    return PHASE_COLORS.get(str(phase), FALLBACK_COLOR)

@@ -1,0 +1,134 @@
+"""Figure builders: DataFrame in, Figure out; checked through the figure's JSON spec."""
+import json
+
+import pandas as pd
+import pytest
+
+from dashboard import charts
+from dashboard.timeline_chart import TIMELINE_UIREVISION, WEBGL_THRESHOLD, timeline_figure
+
+
+def _spec(fig):
+    return json.loads(fig.to_json())
+
+
+def _forwards(n):
+    paths = ["mixed", "prefill", "decode"]
+    return pd.DataFrame({
+        "tick": range(n), "start_ms": [i * 2.0 for i in range(n)], "dur_ms": [1.5] * n,
+        "path": [paths[i % 3] for i in range(n)], "num_prefill_tokens": [64 if i % 3 < 2 else 0 for i in range(n)],
+        "num_decode_tokens": [4 if i % 3 != 1 else 0 for i in range(n)],
+        "request_id": [7 if i % 3 < 2 else None for i in range(n)],
+        "chunk_len": [64 if i % 3 < 2 else None for i in range(n)],
+        "decode_width": [4 if i % 3 == 0 else None for i in range(n)],
+    })
+
+
+def _empty(*cols):
+    return pd.DataFrame({c: [] for c in cols})
+
+
+NO_STREAMS = _empty("t_ms", "kind", "stream", "event_name", "seq", "tick", "gpu_elapsed_ms")
+NO_LINKS = _empty("record_t_ms", "record_stream", "wait_t_ms", "wait_stream")
+NO_PREEMPT = _empty("t_ms", "tick", "victim_request_id", "blocks_freed", "reason")
+NO_LEVERS = _empty("t_ms", "tick", "name", "old", "new", "status")
+
+
+def test_timeline_bars_one_trace_per_path_with_hover_detail():
+    spec = _spec(timeline_figure(_forwards(9), NO_STREAMS, NO_LINKS, NO_PREEMPT, NO_LEVERS, (0, 20)))
+    bars = [t for t in spec["data"] if t["type"] == "bar"]
+    assert sorted(t["name"] for t in bars) == ["decode forward", "mixed forward", "prefill forward"]
+    mixed = next(t for t in bars if t["name"] == "mixed forward")
+    assert mixed["orientation"] == "h" and len(mixed["x"]) == 3
+    assert mixed["base"][:2] == [0.0, 6.0]
+    assert mixed["customdata"][0][0] == 0 and mixed["customdata"][0][4] == 7  # tick, request
+    assert "decode width" in mixed["hovertemplate"]
+    assert spec["layout"]["uirevision"] == TIMELINE_UIREVISION
+    assert spec["layout"]["xaxis"]["range"] == [0, 20]
+
+
+def test_timeline_switches_to_webgl_segments_past_threshold():
+    spec = _spec(timeline_figure(_forwards(WEBGL_THRESHOLD + 3), NO_STREAMS, NO_LINKS, NO_PREEMPT, NO_LEVERS))
+    types = {t["type"] for t in spec["data"]}
+    assert types == {"scattergl"}
+    decode = next(t for t in spec["data"] if t["name"] == "decode forward")
+    # each interval is start, end, gap
+    assert len(decode["x"]) == 3 * ((WEBGL_THRESHOLD + 3) // 3)
+    assert decode["x"][2] is None and decode["x"][1] - decode["x"][0] == 1.5
+
+
+def test_timeline_draws_bucketed_rows_as_segments():
+    buckets = pd.DataFrame({"start_ms": [0.0, 10.0], "end_ms": [9.0, 19.0], "path": ["decode", "decode"],
+                            "num_ticks": [40, 38], "num_tokens": [160, 150]})
+    spec = _spec(timeline_figure(buckets, NO_STREAMS, NO_LINKS, NO_PREEMPT, NO_LEVERS))
+    (trace,) = spec["data"]
+    assert trace["type"] == "scattergl" and trace["x"] == [0.0, 9.0, None, 10.0, 19.0, None]
+    assert trace["customdata"][0] == [40, "decode", 160]
+
+
+def test_timeline_streams_links_and_markers():
+    streams = pd.DataFrame({
+        "t_ms": [1.0, 2.0, 3.0], "kind": ["record", "wait", "sync"],
+        "stream": ["prefill", "default", "default"], "event_name": ["kv_ready", "kv_ready", "end"],
+        "seq": [5, 5, 6], "tick": [1, 1, 2], "gpu_elapsed_ms": [0.8, None, None]})
+    links = pd.DataFrame({"record_t_ms": [1.0], "record_stream": ["prefill"],
+                          "wait_t_ms": [2.0], "wait_stream": ["default"]})
+    preempt = pd.DataFrame({"t_ms": [2.5], "tick": [2], "victim_request_id": [3], "blocks_freed": [12],
+                            "reason": ["kv exhausted"]})
+    levers = pd.DataFrame({"t_ms": [2.7], "tick": [2], "name": ["bisect_no_mix"], "old": [False],
+                           "new": [True], "status": ["applied"]})
+    spec = _spec(timeline_figure(_forwards(3), streams, links, preempt, levers))
+    by_name = {t["name"]: t for t in spec["data"]}
+    assert by_name["stream record"]["y"] == ["prefill"]
+    assert by_name["stream wait"]["marker"]["symbol"] == "square"
+    assert by_name["record → wait"]["x"] == [1.0, 2.0, None]
+    assert by_name["record → wait"]["y"] == ["prefill", "default", None]
+    assert by_name["GPU-timed interval"]["base"] == [pytest.approx(0.2)] and by_name["GPU-timed interval"]["x"] == [0.8]
+    assert by_name["preemption"]["y"] == ["events"] and by_name["preemption"]["customdata"][0][1] == 3
+    assert by_name["lever change"]["customdata"][0][1:4] == ["bisect_no_mix", "False", "True"]
+
+
+def test_latency_figure_groups_percentiles():
+    lat = pd.DataFrame({"metric": ["TTFT", "ITL", "e2e"], "p50_ms": [10.0, 2.0, 50.0],
+                        "p90_ms": [20.0, 3.0, 80.0], "p99_ms": [40.0, 9.0, 120.0], "count": [5, 90, 5]})
+    spec = _spec(charts.latency_figure(lat))
+    assert [t["name"] for t in spec["data"]] == ["p50", "p90", "p99"]
+    assert spec["data"][2]["y"] == [40.0, 9.0, 120.0]
+
+
+def test_chunk_histogram_bins_centered_and_stacked_by_path():
+    bins = pd.DataFrame({"bin_start": [0, 64, 0], "bin_width": [64, 64, 64], "path": ["mixed", "mixed", "prefill"],
+                         "count": [3, 1, 2]})
+    spec = _spec(charts.chunk_length_histogram(bins))
+    mixed = next(t for t in spec["data"] if t["name"] == "mixed")
+    assert mixed["x"] == [32.0, 96.0] and mixed["y"] == [3, 1]
+    assert spec["layout"]["barmode"] == "stack"
+
+
+def test_mix_share_is_percent_normalised():
+    share = pd.DataFrame({"bucket_s": [0, 1], "num_mixed": [3, 0], "num_plain": [1, 2]})
+    spec = _spec(charts.mix_share_figure(share))
+    assert spec["layout"]["barnorm"] == "percent"
+    assert spec["data"][0]["y"] == [3, 0] and spec["data"][1]["y"] == [1, 2]
+
+
+def test_waterfall_spans_and_end_markers():
+    phases = pd.DataFrame({
+        "request_id": [1, 1, 1, 1, 2, 2],
+        "phase": ["queued", "prefilling", "decoding", "finished", "queued", "error"],
+        "start_ms": [0.0, 5.0, 9.0, 30.0, 1.0, 4.0], "end_ms": [5.0, 9.0, 30.0, 30.0, 4.0, 4.0],
+        "detail": [None, None, None, "eos", None, "kv allocation failed"]})
+    spec = _spec(charts.waterfall_figure(phases))
+    by_name = {t["name"]: t for t in spec["data"]}
+    assert by_name["queued"]["y"] == ["req 1", "req 2"] and by_name["queued"]["x"] == [5.0, 3.0]
+    assert by_name["decoding"]["base"] == [9.0]
+    assert by_name["finished"]["type"] == "scatter" and by_name["finished"]["x"] == [30.0]
+    assert by_name["error"]["customdata"] == [["kv allocation failed"]]
+
+
+def test_runs_compare_one_trace_per_run():
+    metrics = pd.DataFrame({"run": ["run 1", "run 1", "run 2", "run 2"], "metric": ["TTFT p50", "ITL p50"] * 2,
+                            "value_ms": [10.0, 2.0, 12.0, 2.5]})
+    spec = _spec(charts.runs_compare_figure(metrics))
+    assert [t["name"] for t in spec["data"]] == ["run 1", "run 2"]
+    assert spec["data"][1]["y"] == [12.0, 2.5]
