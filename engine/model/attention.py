@@ -1,0 +1,93 @@
+"""Gated full attention of Qwen3.5 over the paged KV cache.
+
+The q projection carries an output gate (per head: [query | gate]); q and k get a
+zero-centred RMSNorm over the head dim, then partial rotary; K/V heads are shared by groups
+of query heads. Attention is variable-length: the prefill chunk attends causally to its
+sequence's cached prefix plus itself, each decode row to its own sequence's context.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.cache.kv_store import KVStore
+from engine.model.batch import ForwardBatch
+from engine.model.config import ModelConfig
+from engine.model.layers import PartialRotary, ZeroCenteredRMSNorm
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim * 2, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.q_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.fused_qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def fuse(self) -> None:
+        """One GEMM for q (with gate), k and v."""
+        weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]).detach()
+        bias = None
+        if self.q_proj.bias is not None:
+            bias = torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]).detach()
+        self.fused_qkv = (weight, bias)
+
+    def _project(self, x: torch.Tensor):
+        q_size, kv_size = self.num_heads * self.head_dim * 2, self.num_kv_heads * self.head_dim
+        if self.fused_qkv is not None:
+            return F.linear(x, *self.fused_qkv).split([q_size, kv_size, kv_size], dim=-1)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVStore, rotary: PartialRotary,
+                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden]; cos/sin: [T, rotary_dim]."""
+        tokens = x.shape[0]
+        q_gate, k, v = self._project(x)
+        q, gate = q_gate.view(tokens, self.num_heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
+        q = rotary.apply(self.q_norm(q), cos, sin)  # [T, H, D]
+        k = rotary.apply(self.k_norm(k.view(tokens, self.num_kv_heads, self.head_dim)), cos, sin)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        kv.write(self.layer_id, batch.kv_slots, k, v)
+
+        outputs = []
+        split = batch.num_prefill_tokens
+        if batch.prefill is not None:
+            outputs.append(self._prefill_attention(q[:split], batch, kv))
+        if batch.decode is not None:
+            outputs.append(self._decode_attention(q[split:], batch, kv))
+        out = torch.cat(outputs, dim=0) if len(outputs) > 1 else outputs[0]  # [T, H, D]
+        out = out * torch.sigmoid(gate)
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+
+    def _prefill_attention(self, q: torch.Tensor, batch: ForwardBatch, kv: KVStore) -> torch.Tensor:
+        seg = batch.prefill
+        context = seg.start + seg.length
+        keys, values = kv.gather(self.layer_id, seg.block_ids)  # [n * block, Hkv, D]
+        keys, values = keys[:context].transpose(0, 1), values[:context].transpose(0, 1)  # [Hkv, S, D]
+        query = q.transpose(0, 1)  # [H, L, D]
+        if seg.start == 0:
+            out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, enable_gqa=True)
+        else:
+            # Query i sits at position start + i and may see keys 0 .. start + i.
+            rows = torch.arange(seg.length, device=q.device)[:, None] + seg.start
+            mask = torch.arange(context, device=q.device)[None, :] <= rows  # [L, S]
+            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, enable_gqa=True)
+        return out.transpose(0, 1)  # [L, H, D]
+
+    def _decode_attention(self, q: torch.Tensor, batch: ForwardBatch, kv: KVStore) -> torch.Tensor:
+        group = batch.decode
+        keys, values = kv.gather(self.layer_id, group.block_tables)  # [B, S, Hkv, D]
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hkv, S, D]
+        visible = torch.arange(keys.shape[2], device=q.device)[None, :] < group.context_lens[:, None]  # [B, S]
+        query = q.unsqueeze(2)  # [B, H, 1, D]
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=visible[:, None, None, :],
+                                             enable_gqa=True)
+        return out.squeeze(2)  # [B, H, D]

@@ -1,0 +1,153 @@
+"""The Qwen3.5 text configuration, read from an HF ``config.json`` and checked."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, asdict
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+class ConfigError(ValueError):
+    """config.json describes something this engine cannot run."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int = 4
+    layer_types: tuple[str, ...] = field(default_factory=tuple)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    partial_rotary_factor: float = 0.25
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+    eos_token_id: int | None = None
+
+    def __post_init__(self):
+        if not self.layer_types:
+            # Default hybrid pattern: every 4th layer is full attention (3:1).
+            types = tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                          for i in range(self.num_hidden_layers))
+            object.__setattr__(self, "layer_types", types)
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        self.validate()
+
+    def validate(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "linear_num_key_heads",
+                     "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                     "linear_conv_kernel_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"config field {name} must be a positive integer, got {value!r}")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(f"config field layer_types has {len(self.layer_types)} entries, "
+                              f"num_hidden_layers is {self.num_hidden_layers}")
+        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise ConfigError(f"config field layer_types has unknown layer types {unknown}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError("config field num_attention_heads must be a multiple of num_key_value_heads")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ConfigError("config field linear_num_value_heads must be a multiple of linear_num_key_heads")
+        if self.hidden_act != "silu":
+            raise ConfigError(f"config field hidden_act must be 'silu', got {self.hidden_act!r}")
+        if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise ConfigError(f"config field partial_rotary_factor gives rotary dim {self.rotary_dim}, "
+                              f"which must be even and within head_dim {self.head_dim}")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def full_attention_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
+
+    @property
+    def linear_attention_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels through the causal conv: q, k and v of the fused projection."""
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The HF ``qwen3_5_text`` config.json content for this config."""
+        data = asdict(self)
+        data["layer_types"] = list(self.layer_types)
+        data["rope_parameters"] = {"rope_type": "default", "rope_theta": data.pop("rope_theta"),
+                                   "partial_rotary_factor": data.pop("partial_rotary_factor")}
+        data.update(model_type="qwen3_5_text", architectures=["Qwen3_5ForCausalLM"],
+                    max_position_embeddings=32768, dtype="float32")
+        return data
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        """Read a ``qwen3_5_text`` config, or the ``text_config`` of a ``qwen3_5`` one."""
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(f"{source}: unknown architecture model_type={model_type!r}; "
+                              f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        text = raw
+        if model_type == "qwen3_5":
+            text = raw.get("text_config")
+            if not isinstance(text, dict):
+                raise ConfigError(f"{source}: model_type 'qwen3_5' needs a text_config object")
+            text = {"tie_word_embeddings": raw.get("tie_word_embeddings", False), **text}
+        rope = text.get("rope_parameters") or {}
+        rope_type = rope.get("rope_type", "default")
+        if rope_type != "default":
+            raise ConfigError(f"{source}: rope_parameters.rope_type {rope_type!r} is not supported")
+        eos = text.get("eos_token_id", raw.get("eos_token_id"))
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        kwargs: dict[str, Any] = {}
+        for name in cls.__dataclass_fields__:
+            if name in text:
+                kwargs[name] = text[name]
+        kwargs.pop("eos_token_id", None)
+        if "rope_theta" in rope:
+            kwargs["rope_theta"] = float(rope["rope_theta"])
+        kwargs["partial_rotary_factor"] = float(rope.get("partial_rotary_factor",
+                                                         text.get("partial_rotary_factor", 0.25)))
+        missing = [name for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                     "num_attention_heads", "num_key_value_heads")
+                   if name not in kwargs]
+        if missing:
+            raise ConfigError(f"{source}: missing field(s) {', '.join(missing)}")
+        kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
+        for name, default in (("linear_num_key_heads", 16), ("linear_num_value_heads", 32),
+                              ("linear_key_head_dim", 128), ("linear_value_head_dim", 128)):
+            kwargs.setdefault(name, default)
+        if kwargs.get("layer_types") is None:
+            interval = int(text.get("full_attention_interval", 4))
+            kwargs["layer_types"] = tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                                          for i in range(kwargs["num_hidden_layers"]))
+        try:
+            return cls(eos_token_id=eos, **kwargs)
+        except ConfigError as err:
+            raise ConfigError(f"{source}: {err}") from None
+        except TypeError as err:
+            raise ConfigError(f"{source}: {err}") from None

@@ -1,0 +1,169 @@
+"""Gated DeltaNet: the linear-attention layer of Qwen3.5, over per-sequence states in the SSM pool.
+
+State per head is a matrix S [Dk, Dv]. One token t does
+    S <- exp(g_t) * S
+    u_t = beta_t * (v_t - k_t^T S)          (the delta: what S fails to predict)
+    S <- S + k_t u_t^T
+    o_t = q_t^T S
+The prefill path evaluates the same recurrence a chunk of C tokens at a time: inside a chunk
+the deltas solve a unit lower-triangular system, so the work is a few [C, C] and [C, D]
+matmuls instead of C sequential rank-1 updates.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.cache.ssm_pool import SSMPool
+from engine.model.batch import ForwardBatch
+from engine.model.config import ModelConfig
+from engine.model.layers import GatedRMSNorm
+
+CHUNK_SIZE = 64
+
+
+def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                             beta: torch.Tensor, state: torch.Tensor,
+                             chunk_size: int = CHUNK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k: [H, L, Dk]; v: [H, L, Dv]; g, beta: [H, L]; state: [H, Dk, Dv] (all float32).
+
+    Returns (outputs [H, L, Dv], final state [H, Dk, Dv]).
+    """
+    num_heads, length, _ = q.shape
+    chunk = min(chunk_size, length)
+    pad = (-length) % chunk
+    if pad:
+        # Padded tokens have beta = 0 (no write) and g = 0 (no decay): the state passes through.
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    num_chunks = (length + pad) // chunk
+    q, k, v = (x.reshape(num_heads, num_chunks, chunk, -1) for x in (q, k, v))  # [H, N, C, D]
+    g = g.reshape(num_heads, num_chunks, chunk)
+    beta = beta.reshape(num_heads, num_chunks, chunk)
+
+    log_decay = g.cumsum(-1)  # [H, N, C]: log of the decay from chunk start through token i
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    # decay_ij = exp(log_decay_i - log_decay_j) for j <= i, else 0
+    diff = log_decay[..., :, None] - log_decay[..., None, :]
+    pair_decay = torch.where(causal, diff, torch.full_like(diff, float("-inf"))).exp()  # [H, N, C, C]
+
+    k_beta = k * beta[..., None]
+    # (I + A) U = beta * V - beta * exp(log_decay) * K S0, A strictly lower: beta_i decay_ij k_i.k_j
+    strictly_lower = (k_beta @ k.transpose(-1, -2)) * pair_decay
+    system = strictly_lower.tril(-1) + torch.eye(chunk, device=q.device)
+    rhs = torch.cat([v * beta[..., None], k_beta * log_decay.exp()[..., None]], dim=-1)
+    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    u_from_v, u_from_state = solved.split([v.shape[-1], k.shape[-1]], dim=-1)  # [H,N,C,Dv], [H,N,C,Dk]
+
+    intra = (q @ k.transpose(-1, -2)) * pair_decay  # [H, N, C, C]
+    q_decayed = q * log_decay.exp()[..., None]
+    chunk_decay = log_decay[..., -1]  # [H, N]
+    k_to_end = k * (chunk_decay[..., None] - log_decay).exp()[..., None]
+
+    outputs = torch.empty_like(v)
+    for n in range(num_chunks):
+        u = u_from_v[:, n] - u_from_state[:, n] @ state  # [H, C, Dv]
+        outputs[:, n] = q_decayed[:, n] @ state + intra[:, n] @ u
+        state = state * chunk_decay[:, n].exp()[:, None, None] + k_to_end[:, n].transpose(-1, -2) @ u
+    return outputs.reshape(num_heads, num_chunks * chunk, -1)[:, :length], state
+
+
+def recurrent_gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                               beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per sequence, batched: q, k [B, H, Dk]; v [B, H, Dv]; g, beta [B, H]; state [B, H, Dk, Dv]."""
+    state = state * g.exp()[..., None, None]
+    predicted = (k.unsqueeze(-2) @ state).squeeze(-2)  # [B, H, Dv]
+    delta = (v - predicted) * beta[..., None]
+    state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
+    out = (q.unsqueeze(-2) @ state).squeeze(-2)  # [B, H, Dv]
+    return out, state
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config: ModelConfig, linear_index: int):
+        super().__init__()
+        self.linear_index = linear_index  # which slice of the SSM pool holds this layer's state
+        self.num_k_heads = config.linear_num_key_heads
+        self.num_v_heads = config.linear_num_value_heads
+        self.head_k_dim = config.linear_key_head_dim
+        self.head_v_dim = config.linear_value_head_dim
+        self.key_dim, self.value_dim = config.linear_key_dim, config.linear_value_dim
+        self.conv_dim, self.conv_kernel = config.conv_dim, config.linear_conv_kernel_dim
+        hidden = config.hidden_size
+        self.in_proj_qkv = nn.Linear(hidden, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(hidden, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden, self.num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.conv_kernel, groups=self.conv_dim,
+                                bias=False, padding=self.conv_kernel - 1)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+        self.fused_in: torch.Tensor | None = None
+
+    def fuse(self) -> None:
+        """One GEMM for the four input projections (qkv, z, b, a)."""
+        self.fused_in = torch.cat([self.in_proj_qkv.weight, self.in_proj_z.weight, self.in_proj_b.weight,
+                                   self.in_proj_a.weight], dim=0).detach()
+
+    def _project(self, x: torch.Tensor):
+        sizes = [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads]
+        if self.fused_in is not None:
+            return F.linear(x, self.fused_in).split(sizes, dim=-1)
+        return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, pool: SSMPool) -> torch.Tensor:
+        """x: [T, hidden] packed rows (prefill chunk first, then decode rows)."""
+        num_tokens = x.shape[0]
+        mixed, z, b, a = self._project(x)  # [T, conv_dim], [T, value_dim], [T, Hv], [T, Hv]
+        conv_states = pool.conv[self.linear_index]  # [S, conv_dim, K-1]
+        rec_states = pool.recurrent[self.linear_index]  # [S, Hv, Dk, Dv]
+        weight = self.conv1d.weight[:, 0, :]  # [conv_dim, K]
+        beta = b.float().sigmoid()  # [T, Hv]
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [T, Hv] log decay
+        outputs = []
+
+        split = batch.num_prefill_tokens
+        if batch.prefill is not None:
+            slot = batch.prefill.ssm_slot
+            window = torch.cat([conv_states[slot].to(mixed.dtype), mixed[:split].t()], dim=-1)  # [C, K-1+L]
+            conv_states[slot] = window[:, -(self.conv_kernel - 1):].float()
+            conv_out = F.silu(F.conv1d(window[None], weight[:, None, :], groups=self.conv_dim)[0]).t()  # [L, C]
+            q, k, v = self._split_heads(conv_out)  # [L, H, D]
+            out, final = chunked_gated_delta_rule(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                  g[:split].t(), beta[:split].t(), rec_states[slot])
+            rec_states[slot] = final
+            outputs.append(out.transpose(0, 1))  # [L, Hv, Dv]
+
+        if batch.decode is not None:
+            slots = batch.decode.ssm_slots
+            window = torch.cat([conv_states.index_select(0, slots).to(mixed.dtype),
+                                mixed[split:, :, None]], dim=-1)  # [B, C, K]
+            conv_states.index_copy_(0, slots, window[:, :, 1:].float())
+            conv_out = F.silu((window * weight).sum(-1))  # [B, C]
+            q, k, v = self._split_heads(conv_out)
+            out, new_state = recurrent_gated_delta_step(q, k, v, g[split:], beta[split:],
+                                                        rec_states.index_select(0, slots))
+            rec_states.index_copy_(0, slots, new_state)
+            outputs.append(out)  # [B, Hv, Dv]
+
+        core = torch.cat(outputs, dim=0) if len(outputs) > 1 else outputs[0]  # [T, Hv, Dv]
+        core = self.norm(core.to(x.dtype), z.view(num_tokens, self.num_v_heads, self.head_v_dim))
+        return self.out_proj(core.reshape(num_tokens, self.value_dim))
+
+    def _split_heads(self, conv_out: torch.Tensor):
+        """[T, conv_dim] -> l2-normalised, scaled q, k and v in float32, k heads repeated to v heads."""
+        tokens = conv_out.shape[0]
+        q, k, v = conv_out.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = _l2norm(q.view(tokens, self.num_k_heads, self.head_k_dim)) * self.head_k_dim ** -0.5
+        k = _l2norm(k.view(tokens, self.num_k_heads, self.head_k_dim))
+        repeat = self.num_v_heads // self.num_k_heads
+        if repeat > 1:
+            q, k = q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)
+        return q, k, v.view(tokens, self.num_v_heads, self.head_v_dim)

@@ -1,0 +1,90 @@
+"""Building blocks shared by the Qwen3.5 layers: norms, SwiGLU MLP, partial rotary embedding."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """RMSNorm whose stored weight is an offset from 1: ``x / rms(x) * (1 + weight)``.
+
+    Qwen3.5 stores zeros at init, so a checkpoint's weight must never be used as a plain scale.
+    """
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """Plain-scale RMSNorm followed by a SiLU gate (the Gated DeltaNet output norm)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * x32.to(x.dtype)
+        return (out * F.silu(gate.float())).to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    """``down(silu(gate(x)) * up(x))``; gate and up are fused into one GEMM after loading."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.fused_gate_up: torch.Tensor | None = None
+
+    def fuse(self) -> None:
+        """Concatenate gate and up weights so the hot path does one GEMM instead of two."""
+        self.fused_gate_up = torch.cat([self.gate_proj.weight, self.up_proj.weight], dim=0).detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_gate_up is not None:
+            gate, up = F.linear(x, self.fused_gate_up).split(self.intermediate_size, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class PartialRotary(nn.Module):
+    """Rotary embedding on the first ``rotary_dim`` channels of each head (rotate-half layout).
+
+    Text-only Qwen3.5 uses the same position on all three mRoPE axes, which reduces the
+    interleaved mRoPE to this plain rotary embedding.
+    """
+
+    def __init__(self, rotary_dim: int, theta: float):
+        super().__init__()
+        self.rotary_dim = rotary_dim
+        # A plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies.
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, rotary_dim / 2]
+        angles = torch.cat([freqs, freqs], dim=-1)  # [T, rotary_dim]
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [T, H, D]; cos/sin: [T, rotary_dim]."""
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim:]
+        half = self.rotary_dim // 2
+        rotated_half = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+        rot = rot * cos[:, None, :] + rotated_half * sin[:, None, :]
+        return torch.cat([rot, rest], dim=-1)

@@ -1,0 +1,117 @@
+"""Load a Qwen3.5 model from a local HF-format directory (config.json + safetensors + tokenizer.json)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.model.config import ConfigError, ModelConfig
+from engine.model.qwen3_5 import Qwen35ForCausalLM
+from engine.model.tokenizer import Tokenizer, load_tokenizer
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint directory cannot be loaded; the message names the file and the tensor."""
+
+
+def read_config(directory: Path) -> ModelConfig:
+    path = directory / "config.json"
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: not a directory")
+    if not path.is_file():
+        found = ", ".join(sorted(p.name for p in directory.iterdir())) or "nothing"
+        raise CheckpointError(f"{path}: missing (the directory holds {found})")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path}: not valid JSON ({err})") from None
+    try:
+        return ModelConfig.from_hf_dict(raw, source=str(path))
+    except ConfigError as err:
+        raise CheckpointError(str(err)) from None
+
+
+def _weight_files(directory: Path) -> dict[str, Path]:
+    """Map each stored tensor name to the safetensors file that holds it."""
+    index = directory / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as err:
+            raise CheckpointError(f"{index}: unreadable weight_map ({err})") from None
+        for shard in sorted(set(weight_map.values())):
+            if not (directory / shard).is_file():
+                tensor = next(name for name, file in weight_map.items() if file == shard)
+                raise CheckpointError(f"{directory / shard}: missing shard (listed in {INDEX_FILE} for "
+                                      f"tensor {tensor})")
+        return {name: directory / shard for name, shard in weight_map.items()}
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{directory}: no *.safetensors weight files")
+    names: dict[str, Path] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                names[name] = file
+    return names
+
+
+def _language_model_prefix(stored: dict[str, Path], directory: Path) -> str:
+    """The prefix in front of ``embed_tokens.weight`` (``model.`` or ``model.language_model.``...)."""
+    candidates = sorted((name[: -len("embed_tokens.weight")] for name in stored
+                         if name.endswith("embed_tokens.weight")), key=len)
+    if not candidates:
+        raise CheckpointError(f"{directory}: missing tensor model.embed_tokens.weight")
+    return candidates[0]
+
+
+def load_weights(model: Qwen35ForCausalLM, directory: Path) -> None:
+    stored = _weight_files(directory)
+    prefix = _language_model_prefix(stored, directory)
+    expected = model.state_dict()
+    tied = model.config.tie_word_embeddings
+    handles: dict[Path, object] = {}
+    try:
+        for name, target in expected.items():
+            if tied and name == "lm_head.weight":
+                continue  # shares storage with embed_tokens
+            stored_name = "lm_head.weight" if name == "lm_head.weight" else prefix + name[len("model."):]
+            file = stored.get(stored_name)
+            if file is None:
+                raise CheckpointError(f"{directory}: missing tensor {stored_name}")
+            if file not in handles:
+                handles[file] = safe_open(str(file), framework="pt")
+            try:
+                tensor = handles[file].get_tensor(stored_name)
+            except Exception as err:  # safetensors raises its own error types for broken files
+                raise CheckpointError(f"{file}: cannot read tensor {stored_name} ({err})") from None
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise CheckpointError(f"{file}: tensor {stored_name} has shape {tuple(tensor.shape)}, "
+                                      f"config.json implies {tuple(target.shape)}")
+            with torch.no_grad():
+                target.copy_(tensor.to(target.dtype))
+    finally:
+        handles.clear()
+
+
+def load_model(name_or_dir: str | Path, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu") -> tuple[Qwen35ForCausalLM, ModelConfig, Tokenizer | None]:
+    """Load ``tiny`` (the embedded default, created on first use) or a checkpoint directory."""
+    if str(name_or_dir) == "tiny":
+        from engine.model.tiny import ensure_tiny_checkpoint
+        directory = ensure_tiny_checkpoint()
+    else:
+        directory = Path(name_or_dir).expanduser()
+    config = read_config(directory)
+    model = Qwen35ForCausalLM(config)
+    load_weights(model, directory)
+    model.to(device=device, dtype=dtype).eval()
+    model.fuse()
+    tokenizer = load_tokenizer(directory)
+    if tokenizer is not None:
+        tokenizer.assign_special_ids(model)
+    return model, config, tokenizer

@@ -1,0 +1,94 @@
+"""The Qwen3.5 hybrid decoder (text part), with HF parameter names so checkpoints load as they are."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.cache.kv_store import KVStore
+from engine.cache.ssm_pool import SSMPool
+from engine.model.attention import GatedAttention
+from engine.model.batch import ForwardBatch
+from engine.model.config import ModelConfig
+from engine.model.gdn import GatedDeltaNet
+from engine.model.layers import PartialRotary, SwiGLU, ZeroCenteredRMSNorm
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, linear_index: int | None):
+        super().__init__()
+        self.is_linear = config.layer_types[layer_id] == "linear_attention"
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(config, linear_index)
+        else:
+            self.self_attn = GatedAttention(config, layer_id)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, batch, kv, pool, rotary, cos, sin):
+        normed = self.input_layernorm(x)
+        if self.is_linear:
+            x = x + self.linear_attn(normed, batch, pool)
+        else:
+            x = x + self.self_attn(normed, batch, kv, rotary, cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class TextModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        linear_index = {layer: i for i, layer in enumerate(config.linear_attention_layers)}
+        self.layers = nn.ModuleList(DecoderLayer(config, i, linear_index.get(i))
+                                    for i in range(config.num_hidden_layers))
+        self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Qwen35ForCausalLM(nn.Module):
+    """Forward over a packed :class:`ForwardBatch`; K/V go to the paged store, GDN state to the pool."""
+
+    is_mla = False  # plain grouped K/V heads, no latent compression
+    is_ep = False  # dense MLP, no expert parallelism
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = TextModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = PartialRotary(config.rotary_dim, config.rope_theta)
+        # Special token ids, filled by the loader from the tokenizer when it has them.
+        self.eos_token_id: int | None = config.eos_token_id
+        self.think_start_id: int | None = None
+        self.think_end_id: int | None = None
+        self.tool_call_start_id: int | None = None
+        self.tool_call_end_id: int | None = None
+        self.code_fence_id: int | None = None
+
+    def prefill_tail_split(self, prompt_tokens: int) -> int | None:
+        """Where to cut a prompt so its SSM tail state can be checkpointed separately.
+
+        None for Qwen3.5: its Gated DeltaNet state after any prefix is exactly what the
+        chunked rule leaves in the pool at that chunk boundary, and the scheduler's block-
+        aligned chunk cuts already give the snapshot points, so no model-specific split exists.
+        """
+        return None
+
+    def fuse(self) -> None:
+        """Concatenate projection weights for fewer, larger GEMMs (call after loading weights)."""
+        for layer in self.model.layers:
+            (layer.linear_attn if layer.is_linear else layer.self_attn).fuse()
+            layer.mlp.fuse()
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: KVStore, pool: SSMPool,
+                logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Returns logits [R, V] for the rows in ``logits_rows`` (all rows when None)."""
+        x = self.model.embed_tokens(batch.token_ids)  # [T, hidden]
+        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, batch, kv, pool, self.rotary, cos, sin)
+        if logits_rows is not None:
+            x = x.index_select(0, logits_rows)
+        return self.lm_head(self.model.norm(x)).float()

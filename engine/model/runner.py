@@ -1,0 +1,157 @@
+"""The forward API the scheduler calls: prefill chunks, decode batches, and both fused in one forward."""
+from __future__ import annotations
+
+import torch
+
+from engine.cache.kv import BlockManager
+from engine.cache.kv_store import KVStore
+from engine.cache.ssm_pool import SSMPool
+from engine.model.batch import build_batch
+from engine.model.qwen3_5 import Qwen35ForCausalLM
+from engine.sequence import SequenceState
+
+
+class ModelRunner:
+    """Owns the caches of one model and turns scheduler requests into packed forwards.
+
+    The block manager only does bookkeeping; this class allocates blocks before a forward
+    (so ``KVCacheExhausted`` leaves everything unchanged) and advances
+    ``seq.num_cached_tokens`` after it.
+    """
+
+    def __init__(self, model: Qwen35ForCausalLM, num_kv_blocks: int, num_ssm_slots: int,
+                 block_size: int = 16, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+        self.model = model
+        self.config = config = model.config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.block_manager = BlockManager(num_kv_blocks, block_size)
+        self.kv_store = KVStore(config.full_attention_layers, num_kv_blocks, block_size,
+                                config.num_key_value_heads, config.head_dim, dtype=dtype, device=self.device)
+        self.ssm_pool = SSMPool(num_ssm_slots, len(config.linear_attention_layers), config.conv_dim,
+                                config.linear_conv_kernel_dim, config.linear_num_value_heads,
+                                config.linear_key_head_dim, config.linear_value_head_dim, device=self.device)
+
+    # ---- properties the scheduler reads ----------------------------------------------
+    @property
+    def kv_block_size(self) -> int:
+        return self.block_manager.block_size
+
+    @property
+    def is_mla(self) -> bool:
+        return self.model.is_mla
+
+    @property
+    def is_ep(self) -> bool:
+        return self.model.is_ep
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    # ---- sequence lifetime ------------------------------------------------------------
+    def admit(self, seq: SequenceState) -> None:
+        """Give ``seq`` an SSM slot with zero state (raises SSMPoolExhausted when none is free)."""
+        if seq.ssm_slot is None:
+            seq.ssm_slot = self.ssm_pool.allocate()
+        else:
+            self.ssm_pool.zero(seq.ssm_slot)
+
+    def release(self, seq: SequenceState) -> None:
+        """Free the sequence's KV blocks and SSM slot."""
+        self.block_manager.free(seq)
+        if seq.ssm_slot is not None:
+            self.ssm_pool.free(seq.ssm_slot)
+            seq.ssm_slot = None
+
+    def normalize_ssm_states(self, seq: SequenceState, max_norm: float = 1e4) -> bool:
+        return self.ssm_pool.normalize(self._slot(seq), max_norm)
+
+    # ---- forwards -------------------------------------------------------------------------
+    def prefill_chunk(self, seq: SequenceState, prompt: list[int], offset: int, length: int,
+                      is_last: bool) -> torch.Tensor | None:
+        """Run prompt[offset:offset+length]; logits [V] at its last token when ``is_last``."""
+        logits, _ = self.mixed_forward([], [], seq, prompt, offset, length, is_last)
+        return logits
+
+    def decode(self, seqs: list[SequenceState], tokens: list[int]) -> torch.Tensor:
+        """One token per sequence; logits [B, V]."""
+        _, logits = self.mixed_forward(seqs, tokens, None, None, 0, 0, False)
+        return logits
+
+    def mixed_forward(self, decode_seqs: list[SequenceState], decode_tokens: list[int],
+                      prefill_seq: SequenceState | None, prompt: list[int] | None, offset: int, length: int,
+                      is_last: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """ONE forward over [prefill chunk rows | decode rows]; returns (prefill logits [V] or None, [B, V])."""
+        if len(decode_seqs) != len(decode_tokens):
+            raise ValueError(f"decode_tokens has {len(decode_tokens)} ids for {len(decode_seqs)} sequences")
+        if prefill_seq is None and not decode_seqs:
+            raise ValueError("a forward needs a prefill chunk or at least one decode sequence")
+        chunk: list[int] = []
+        if prefill_seq is not None:
+            chunk = self._check_chunk(prefill_seq, prompt, offset, length)
+        self._check_tokens(decode_tokens, "decode_tokens")
+        for seq in decode_seqs:
+            self._slot(seq)
+        self._allocate_all(decode_seqs, prefill_seq, length)
+
+        prefill = None
+        if prefill_seq is not None:
+            prefill = (chunk, prefill_seq.num_cached_tokens, prefill_seq.block_table, prefill_seq.ssm_slot)
+        decodes = [(tok, seq.num_cached_tokens, seq.block_table, seq.ssm_slot)
+                   for seq, tok in zip(decode_seqs, decode_tokens)]
+        batch = build_batch(prefill, decodes, self.kv_block_size, self.device)
+        rows = list(range(len(chunk), len(chunk) + len(decode_seqs)))
+        if prefill_seq is not None and is_last:
+            rows.insert(0, len(chunk) - 1)
+        logits = self.model(batch, self.kv_store, self.ssm_pool,
+                            torch.tensor(rows, dtype=torch.long, device=self.device))  # [R, V]
+
+        if prefill_seq is not None:
+            prefill_seq.num_cached_tokens += length
+        for seq in decode_seqs:
+            seq.num_cached_tokens += 1
+        prefill_logits = logits[0] if prefill_seq is not None and is_last else None
+        return prefill_logits, logits[len(rows) - len(decode_seqs):]
+
+    # ---- helpers ----------------------------------------------------------------------------
+    def _allocate_all(self, decode_seqs, prefill_seq, length) -> None:
+        """Allocate every sequence's new blocks, or none of them (KVCacheExhausted leaves no trace)."""
+        grown: list[tuple[SequenceState, int]] = []
+        try:
+            for seq, num_new in [(s, 1) for s in decode_seqs] + ([(prefill_seq, length)] if prefill_seq else []):
+                before = len(seq.block_table)
+                self.block_manager.allocate(seq, num_new)
+                grown.append((seq, before))
+        except Exception:
+            for seq, before in grown:
+                self._shrink(seq, before)
+            raise
+
+    def _shrink(self, seq: SequenceState, num_blocks: int) -> None:
+        """Undo an allocate: drop the blocks appended after ``num_blocks``."""
+        while len(seq.block_table) > num_blocks:
+            self.block_manager.decref(seq.block_table.pop())
+
+    def _check_chunk(self, seq: SequenceState, prompt, offset: int, length: int) -> list[int]:
+        if not prompt:
+            raise ValueError("prompt is empty")
+        if length < 1 or offset < 0 or offset + length > len(prompt):
+            raise ValueError(f"chunk offset={offset} length={length} outside prompt of {len(prompt)} tokens")
+        if offset != seq.num_cached_tokens:
+            raise ValueError(f"request {seq.request_id}: chunk offset {offset} != cached tokens "
+                             f"{seq.num_cached_tokens}")
+        self._slot(seq)
+        chunk = list(prompt[offset: offset + length])
+        self._check_tokens(chunk, "prompt")
+        return chunk
+
+    def _check_tokens(self, tokens: list[int], field: str) -> None:
+        bad = [t for t in tokens if not isinstance(t, int) or not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"{field}: token id(s) {bad[:5]} outside the vocabulary [0, {self.config.vocab_size})")
+
+    def _slot(self, seq: SequenceState) -> int:
+        if seq.ssm_slot is None:
+            raise ValueError(f"request {seq.request_id} has no SSM slot: call admit() first")
+        return seq.ssm_slot

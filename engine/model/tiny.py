@@ -1,0 +1,83 @@
+"""The embedded default model ``tiny``: a seeded random Qwen3.5 checkpoint written once to a cache dir.
+
+It is a real HF-format checkpoint (config.json, model.safetensors, tokenizer.json) loaded
+through the same loader as any other, sized so batch-8 decode on 2 CPU cores takes a few ms.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from engine.model.config import ModelConfig
+from engine.model.qwen3_5 import Qwen35ForCausalLM
+from engine.model.tokenizer import EOS, build_byte_tokenizer
+
+TINY_VERSION = 1  # bump when the config or the init changes, so caches are rebuilt
+TINY_SEED = 1234
+TINY_CONFIG = ModelConfig(
+    vocab_size=272, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+    linear_conv_kernel_dim=4, tie_word_embeddings=True, eos_token_id=256,
+)
+MARKER = "chunkscope_tiny.json"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("CHUNKSCOPE_CACHE") or Path.home() / ".cache" / "chunkscope").expanduser()
+
+
+def random_init(model: Qwen35ForCausalLM, seed: int) -> None:
+    """Seeded weights with the statistics of a trained model's init (small GEMMs, varied norms/decays)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("A_log"):
+                param.copy_(torch.empty(param.shape).uniform_(1.0, 16.0, generator=generator).log())
+            elif name.endswith("dt_bias"):
+                param.copy_(torch.ones(param.shape) + 0.1 * torch.randn(param.shape, generator=generator))
+            elif param.dim() == 1:
+                param.copy_(0.1 * torch.randn(param.shape, generator=generator))
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+
+
+def write_checkpoint(model: Qwen35ForCausalLM, directory: Path) -> None:
+    """Save in HF layout; tied LM heads are left out as HF does."""
+    tensors = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        tensors.pop("lm_head.weight")
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2))
+
+
+def ensure_tiny_checkpoint() -> Path:
+    """Return the tiny checkpoint directory, creating it on first use (atomically)."""
+    directory = cache_root() / "tiny"
+    marker = directory / MARKER
+    if marker.is_file() and json.loads(marker.read_text()).get("version") == TINY_VERSION:
+        return directory
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix="tiny-", dir=directory.parent))
+    try:
+        torch.manual_seed(TINY_SEED)
+        model = Qwen35ForCausalLM(TINY_CONFIG)
+        random_init(model, TINY_SEED)
+        write_checkpoint(model, staging)
+        build_byte_tokenizer().save(str(staging / "tokenizer.json"))
+        (staging / MARKER).write_text(json.dumps({"version": TINY_VERSION, "seed": TINY_SEED, "eos": EOS}))
+        if directory.exists():
+            shutil.rmtree(directory)
+        os.replace(staging, directory)
+    except FileExistsError:
+        pass  # another process won the race; its checkpoint is identical
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return directory
