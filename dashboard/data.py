@@ -1,0 +1,86 @@
+"""Cached read-only queries: the only way pages reach the telemetry store.
+
+Every cached function takes ``version``, the run's committed event count
+plus its status (``run_version``): while a run is live the version moves on
+every writer flush and the caches refresh; a finished run's version never
+changes, so its heavy whole-run aggregates are computed once.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import streamlit as st
+
+from dashboard import lever_state, queries_chunks, queries_live, queries_requests, queries_runs
+from dashboard.db import DataUnavailable, query_one
+from dashboard.queries_chunks import ChunkFilter
+
+_ENTRIES = 64
+Version = tuple  # (num_events, status)
+
+
+@st.cache_data(ttl=0.5, max_entries=_ENTRIES, show_spinner=False)
+def list_runs(db: str) -> pd.DataFrame:
+    return queries_runs.list_runs(Path(db))
+
+
+def run_version(db: str, run_id: int) -> Version:
+    """Cheap primary-key lookup, deliberately uncached: it is the cache key of everything else."""
+    row = query_one(Path(db), "SELECT num_events, status FROM runs WHERE run_id = ?", [run_id])
+    if row is None:
+        raise DataUnavailable(f"run {run_id} is not in {db}", level="info")
+    return row["num_events"], row["status"]
+
+
+@st.cache_data(max_entries=_ENTRIES, show_spinner=False)
+def run_row(db: str, run_id: int, version: Version) -> dict | None:
+    return queries_runs.run_row(Path(db), run_id)
+
+
+@st.cache_data(max_entries=_ENTRIES, show_spinner=False)
+def live_counters(db: str, run_id: int, version: Version, window_s: float) -> dict | None:
+    last = queries_live.latest_tick(Path(db), run_id)
+    if last is None:
+        return None
+    end_ns = int(last["t_ns"] + last["duration_ns"])
+    return {**last, **queries_live.throughput(Path(db), run_id, end_ns, window_s)}
+
+
+@st.cache_data(max_entries=_ENTRIES, show_spinner=False)
+def timeline_window(db: str, run_id: int, version: Version, window_s: float):
+    return queries_live.timeline_window(Path(db), run_id, window_s)
+
+
+@st.cache_data(max_entries=_ENTRIES, show_spinner=False)
+def latency_percentiles(db: str, run_id: int, version: Version) -> pd.DataFrame:
+    return queries_live.latency_percentiles(Path(db), run_id)
+
+
+@st.cache_data(max_entries=_ENTRIES, show_spinner=False)
+def chunk_view(db: str, run_id: int, version: Version, flt: ChunkFilter, limit: int):
+    """(matching count, newest rows, length histogram, mix share) for one filter."""
+    path = Path(db)
+    return (queries_chunks.chunk_count(path, run_id, flt), queries_chunks.chunk_table(path, run_id, flt, limit),
+            queries_chunks.length_histogram(path, run_id, flt), queries_chunks.mix_share(path, run_id, flt))
+
+
+@st.cache_data(max_entries=_ENTRIES, show_spinner=False)
+def request_view(db: str, run_id: int, version: Version, search, statuses: tuple[str, ...]):
+    """(status counts, matching requests, their lifecycle events, newest data time, errors)."""
+    path = Path(db)
+    found = queries_requests.find_requests(path, run_id, search, statuses)
+    ids = [int(x) for x in found["request_id"]] if len(found) else []
+    return (queries_requests.status_counts(path, run_id), found,
+            queries_requests.lifecycle_events(path, run_id, ids),
+            queries_requests.data_end_ms(path, run_id), queries_requests.errors(path, run_id))
+
+
+@st.cache_data(max_entries=_ENTRIES, show_spinner=False)
+def lever_changes(db: str, run_id: int, version: Version) -> pd.DataFrame:
+    return lever_state.latest_changes(Path(db), run_id)
+
+
+@st.cache_data(max_entries=_ENTRIES, show_spinner=False)
+def run_metrics(db: str, run_id: int, version: Version) -> dict:
+    return queries_runs.run_metrics(Path(db), run_id)

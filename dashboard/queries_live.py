@@ -1,0 +1,144 @@
+"""Queries behind the Live page: counters, the timeline window, latency percentiles.
+
+Plain functions of (db path, run id, ...): aggregation happens in SQL and
+every result is bounded (a time window, a LIMIT, or a handful of numbers), so
+the cost does not grow with the length of the run.
+
+Time convention: a tick's ``t_ns`` is when its forward started and
+``duration_ns`` how long it took; charts use milliseconds since run start.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from dashboard.db import percentile_sql, query_df, query_one
+
+MAX_RAW_FORWARDS = 10_000      # past this many forwards in the window, bucket them in SQL
+NUM_BUCKETS = 2_000
+MAX_STREAM_EVENTS = 4_000
+MAX_MARKERS = 2_000
+ITL_RECENT_TOKENS = 20_000     # live ITL percentiles look at the newest tokens only
+NS_PER_MS = 1_000_000
+
+
+@dataclass(frozen=True)
+class TimelineWindow:
+    forwards: pd.DataFrame         # raw per-tick rows, or bucketed rows (has end_ms)
+    stream_events: pd.DataFrame
+    links: pd.DataFrame
+    preemptions: pd.DataFrame
+    lever_changes: pd.DataFrame
+    start_ms: float
+    end_ms: float
+    num_forwards: int              # forwards in the window before any bucketing
+    is_bucketed: bool
+
+
+def latest_tick(db: Path, run_id: int) -> dict | None:
+    return query_one(db, "SELECT * FROM ticks WHERE run_id = ? ORDER BY tick DESC LIMIT 1", [run_id])
+
+
+def throughput(db: Path, run_id: int, end_ns: int, window_s: float) -> dict:
+    """Tokens per second over the last ``window_s`` seconds of ticks."""
+    start_ns = end_ns - int(window_s * 1e9)
+    row = query_one(db, "SELECT COUNT(*) AS num_ticks, COALESCE(SUM(num_prefill_tokens), 0) AS prefill, "
+                        "COALESCE(SUM(num_decode_tokens), 0) AS decode, MIN(t_ns) AS first_ns "
+                        "FROM ticks WHERE run_id = ? AND t_ns >= ?", [run_id, start_ns]) or {}
+    span_s = window_s if row.get("first_ns") is None else max(1e-9, (end_ns - row["first_ns"]) / 1e9)
+    span_s = max(span_s, 1e-3)
+    return {"num_ticks": row.get("num_ticks", 0), "prefill_tok_s": row.get("prefill", 0) / span_s,
+            "decode_tok_s": row.get("decode", 0) / span_s, "span_s": span_s}
+
+
+def _forwards(db: Path, run_id: int, start_ns: int, num_forwards: int, end_ns: int) -> tuple[pd.DataFrame, bool]:
+    if num_forwards <= MAX_RAW_FORWARDS:
+        frame = query_df(db, """
+            SELECT t.tick, t.t_ns / 1e6 AS start_ms, t.duration_ns / 1e6 AS dur_ms, t.path,
+                   t.num_prefill_tokens, t.num_decode_tokens,
+                   c.request_id, c.chunk_len, c.decode_width
+            FROM ticks t LEFT JOIN (
+                SELECT tick, MIN(request_id) AS request_id, SUM(length) AS chunk_len,
+                       MAX(decode_width) AS decode_width
+                FROM chunks WHERE run_id = ? AND t_ns >= ? GROUP BY tick) c ON c.tick = t.tick
+            WHERE t.run_id = ? AND t.t_ns >= ? AND t.path != 'idle' ORDER BY t.tick""",
+                         [run_id, start_ns, run_id, start_ns])
+        return frame, False
+    bucket_ns = max(1, (end_ns - start_ns) // NUM_BUCKETS)
+    frame = query_df(db, """
+        SELECT (t_ns - ?) / ? AS bucket, path, MIN(t_ns) / 1e6 AS start_ms,
+               MAX(t_ns + duration_ns) / 1e6 AS end_ms, COUNT(*) AS num_ticks,
+               SUM(num_prefill_tokens + num_decode_tokens) AS num_tokens
+        FROM ticks WHERE run_id = ? AND t_ns >= ? AND path != 'idle'
+        GROUP BY bucket, path ORDER BY bucket""", [start_ns, bucket_ns, run_id, start_ns])
+    return frame, True
+
+
+def _links(stream_events: pd.DataFrame) -> pd.DataFrame:
+    """Pair each wait with the record of the same ``seq`` (both inside the window)."""
+    records = stream_events[stream_events["kind"] == "record"][["seq", "t_ms", "stream"]]
+    waits = stream_events[stream_events["kind"] == "wait"]
+    waits = waits.assign(wait_stream=waits["target_stream"].fillna(waits["stream"]))
+    pairs = records.merge(waits[["seq", "t_ms", "wait_stream"]], on="seq", suffixes=("_record", "_wait"))
+    return pd.DataFrame({"record_t_ms": pairs["t_ms_record"], "record_stream": pairs["stream"],
+                         "wait_t_ms": pairs["t_ms_wait"], "wait_stream": pairs["wait_stream"]})
+
+
+def timeline_window(db: Path, run_id: int, window_s: float) -> TimelineWindow | None:
+    """The last ``window_s`` seconds of the run, ready for ``timeline_figure``."""
+    last = latest_tick(db, run_id)
+    if last is None:
+        return None
+    end_ns = int(last["t_ns"] + last["duration_ns"])
+    start_ns = max(0, end_ns - int(window_s * 1e9))
+    head = query_one(db, "SELECT COUNT(*) AS n, MIN(tick) AS first_tick FROM ticks "
+                         "WHERE run_id = ? AND t_ns >= ? AND path != 'idle'", [run_id, start_ns]) or {}
+    num_forwards = head.get("n") or 0
+    first_tick = head.get("first_tick") if head.get("first_tick") is not None else last["tick"]
+    forwards, is_bucketed = _forwards(db, run_id, start_ns, num_forwards, end_ns)
+    streams = query_df(db, """
+        SELECT * FROM (SELECT t_ns / 1e6 AS t_ms, kind, stream, event_name, seq, tick, target_stream,
+                              gpu_elapsed_ms
+                       FROM stream_events WHERE run_id = ? AND tick >= ? ORDER BY tick DESC, id DESC LIMIT ?)
+        ORDER BY t_ms""", [run_id, first_tick, MAX_STREAM_EVENTS])
+    if streams.empty:
+        streams = pd.DataFrame(columns=["t_ms", "kind", "stream", "event_name", "seq", "tick",
+                                        "target_stream", "gpu_elapsed_ms"])
+    preemptions = query_df(db, "SELECT t_ns / 1e6 AS t_ms, tick, victim_request_id, blocks_freed, reason "
+                               "FROM preemptions WHERE run_id = ? AND tick >= ? ORDER BY tick LIMIT ?",
+                           [run_id, first_tick, MAX_MARKERS])
+    levers = query_df(db, "SELECT t_ns / 1e6 AS t_ms, tick, name, old, new, status FROM lever_changes "
+                          "WHERE run_id = ? AND tick >= ? ORDER BY tick LIMIT ?", [run_id, first_tick, MAX_MARKERS])
+    return TimelineWindow(forwards, streams, _links(streams), preemptions, levers,
+                          start_ns / NS_PER_MS, end_ns / NS_PER_MS, num_forwards, is_bucketed)
+
+
+def _latest_token_id(db: Path, run_id: int) -> int:
+    row = query_one(db, "SELECT id FROM tokens WHERE run_id = ? ORDER BY id DESC LIMIT 1", [run_id])
+    return 0 if row is None else int(row["id"])
+
+
+def latency_percentiles(db: Path, run_id: int, recent_tokens: int | None = ITL_RECENT_TOKENS) -> pd.DataFrame:
+    """TTFT, ITL and end-to-end p50 / p90 / p99 in ms (one row per metric).
+
+    TTFT and e2e come from the ``requests`` rows; ITL from the gap between
+    consecutive ``tokens`` rows of one request (the newest ``recent_tokens``
+    only, or the whole run when None).
+    """
+    ttft = query_one(db, percentile_sql("SELECT (first_token_ns - arrival_ns) / 1e6 AS v FROM requests "
+                                        "WHERE run_id = ? AND first_token_ns IS NOT NULL"), [run_id])
+    e2e = query_one(db, percentile_sql("SELECT (finished_ns - arrival_ns) / 1e6 AS v FROM requests "
+                                       "WHERE run_id = ? AND finished_ns IS NOT NULL AND status = 'finished'"),
+                    [run_id])
+    min_id = 0 if recent_tokens is None else max(0, _latest_token_id(db, run_id) - recent_tokens)
+    itl = query_one(db, percentile_sql(
+        "SELECT (t_ns - LAG(t_ns) OVER (PARTITION BY request_id ORDER BY \"index\")) / 1e6 AS v "
+        "FROM tokens WHERE run_id = ? AND id > ?"), [run_id, min_id])
+    rows = []
+    for metric, row in (("TTFT", ttft), ("ITL", itl), ("e2e", e2e)):
+        row = row or {}
+        rows.append({"metric": metric, "p50_ms": row.get("p50"), "p90_ms": row.get("p90"),
+                     "p99_ms": row.get("p99"), "count": row.get("count") or 0})
+    return pd.DataFrame(rows)

@@ -1,0 +1,82 @@
+"""Queries behind the Runs page and the run picker: the run list and whole-run summary metrics."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import pandas as pd
+
+from dashboard.db import query_df, query_one
+from dashboard.queries_live import latency_percentiles
+
+RUN_COLUMNS = ("run_id", "started_at", "finished_at", "model", "device", "status", "pid", "hostname",
+               "num_events", "num_dropped", "writer_error", "workload", "levers", "config")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def shown_status(status: str, pid, hostname) -> str:
+    """A run still marked running whose process died on this host is shown as crashed."""
+    if status == "running" and pid is not None and pd.notna(pid) and hostname == socket.gethostname() \
+            and not _pid_alive(int(pid)):
+        return "crashed"
+    return status
+
+
+def list_runs(db: Path) -> pd.DataFrame:
+    runs = query_df(db, f"SELECT {', '.join(RUN_COLUMNS)} FROM runs ORDER BY run_id DESC")
+    if len(runs):
+        runs["status"] = [shown_status(s, p, h) for s, p, h in zip(runs["status"], runs["pid"], runs["hostname"])]
+    return runs
+
+
+def run_row(db: Path, run_id: int) -> dict | None:
+    row = query_one(db, f"SELECT {', '.join(RUN_COLUMNS)} FROM runs WHERE run_id = ?", [run_id])
+    if row is not None:
+        row["status"] = shown_status(row["status"], row["pid"], row["hostname"])
+        for key in ("workload", "levers", "config"):
+            try:
+                row[key] = json.loads(row[key]) if row[key] else {}
+            except ValueError:
+                row[key] = {}
+    return row
+
+
+def run_metrics(db: Path, run_id: int) -> dict:
+    """Whole-run numbers for the comparison table (all aggregated in SQL)."""
+    ticks = query_one(db, "SELECT COUNT(*) AS num_ticks, COALESCE(SUM(num_prefill_tokens), 0) AS prefill, "
+                          "COALESCE(SUM(num_decode_tokens), 0) AS decode, MAX(t_ns + duration_ns) AS end_ns, "
+                          "COALESCE(SUM(path = 'mixed'), 0) AS mixed_ticks FROM ticks WHERE run_id = ?",
+                      [run_id]) or {}
+    chunks = query_one(db, "SELECT COUNT(*) AS n, COALESCE(SUM(path = 'mixed'), 0) AS mixed FROM chunks "
+                           "WHERE run_id = ?", [run_id]) or {}
+    reqs = query_one(db, "SELECT COUNT(*) AS n, COALESCE(SUM(status = 'finished'), 0) AS finished, "
+                         "COALESCE(SUM(status = 'error'), 0) AS errors, COALESCE(SUM(prefix_hit_tokens), 0) AS hit, "
+                         "COALESCE(SUM(prompt_len), 0) AS prompt FROM requests WHERE run_id = ?", [run_id]) or {}
+    preempt = query_one(db, "SELECT COUNT(*) AS n FROM preemptions WHERE run_id = ?", [run_id]) or {}
+    duration_s = (ticks.get("end_ns") or 0) / 1e9
+    latency = latency_percentiles(db, run_id, recent_tokens=None).set_index("metric")
+    metrics = {
+        "duration_s": duration_s,
+        "requests": reqs.get("n", 0), "finished": reqs.get("finished", 0), "errors": reqs.get("errors", 0),
+        "decode_tok_s": ticks.get("decode", 0) / duration_s if duration_s else None,
+        "prefill_tok_s": ticks.get("prefill", 0) / duration_s if duration_s else None,
+        "preemptions": preempt.get("n", 0),
+        "mixed_share": chunks["mixed"] / chunks["n"] if chunks.get("n") else None,
+        "prefix_hit_ratio": reqs["hit"] / reqs["prompt"] if reqs.get("prompt") else None,
+    }
+    for metric in ("TTFT", "ITL", "e2e"):
+        for pct in ("p50", "p90", "p99"):
+            value = latency.loc[metric, f"{pct}_ms"]
+            metrics[f"{metric} {pct} ms"] = None if value is None or pd.isna(value) else float(value)
+    return metrics
