@@ -18,13 +18,13 @@ from engine.model.config import ModelConfig
 from engine.model.qwen3_5 import Qwen35ForCausalLM
 from engine.model.tokenizer import EOS, build_byte_tokenizer
 
-TINY_VERSION = 1  # bump when the config or the init changes, so caches are rebuilt
+TINY_VERSION = 2  # bump when the config or the init changes, so caches are rebuilt
 TINY_SEED = 1234
 TINY_CONFIG = ModelConfig(
     vocab_size=272, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
     num_attention_heads=4, num_key_value_heads=2, head_dim=32,
     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
-    linear_conv_kernel_dim=4, tie_word_embeddings=True, eos_token_id=256,
+    linear_conv_kernel_dim=4, tie_word_embeddings=False, eos_token_id=256,
 )
 MARKER = "chunkscope_tiny.json"
 
@@ -61,7 +61,7 @@ def ensure_tiny_checkpoint() -> Path:
     """Return the tiny checkpoint directory, creating it on first use (atomically)."""
     directory = cache_root() / "tiny"
     marker = directory / MARKER
-    if marker.is_file() and json.loads(marker.read_text()).get("version") == TINY_VERSION:
+    if _is_current(marker):
         return directory
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix="tiny-", dir=directory.parent))
@@ -75,9 +75,18 @@ def ensure_tiny_checkpoint() -> Path:
         if directory.exists():
             shutil.rmtree(directory)
         os.replace(staging, directory)
-    except FileExistsError:
-        pass  # another process won the race; its checkpoint is identical
+    except OSError:
+        # Another process may have won the race to create it; its checkpoint is identical.
+        if not _is_current(marker):
+            raise
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
     return directory
+
+
+def _is_current(marker: Path) -> bool:
+    try:
+        return json.loads(marker.read_text()).get("version") == TINY_VERSION
+    except (OSError, ValueError):
+        return False

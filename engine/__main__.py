@@ -1,0 +1,43 @@
+"""``python -m engine <command>``: a thin argparse dispatcher.
+
+Adding a command is two lines: import its module below and list it in COMMANDS. Each
+module provides ``add_parser(subparsers)`` that registers its sub-parser with
+``set_defaults(func=run)``, and ``run(args) -> int``.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from engine import generate
+
+COMMANDS = [generate]
+
+# Errors a user can cause with bad input: reported as one line, exit status 2.
+from engine.cache.kv import KVCacheExhausted  # noqa: E402
+from engine.cache.ssm_pool import SSMPoolExhausted  # noqa: E402
+from engine.model.loader import CheckpointError  # noqa: E402
+
+USER_ERRORS = (ValueError, CheckpointError, KVCacheExhausted, SSMPoolExhausted, FileNotFoundError)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = OneLineParser(prog="python -m engine", description="Chunkscope inference engine")
+    subparsers = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+    for command in COMMANDS:
+        command.add_parser(subparsers)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except USER_ERRORS as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

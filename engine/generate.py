@@ -1,0 +1,93 @@
+"""``python -m engine generate``: one prompt through the model runner, printed as JSON or text."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from engine.model.loader import load_model
+from engine.model.runner import ModelRunner
+from engine.scheduler.sampling import SamplingParams, make_generator, sample_next
+from engine.sequence import SequenceState
+
+PREFILL_CHUNK = 512  # bounds peak activation memory on long prompts
+
+
+def parse_ids(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+
+
+def generate(model, tokenizer, prompt: list[int], params: SamplingParams, stop_at_eos: bool = True) -> dict:
+    """Greedy or sampled continuation of ``prompt``; returns {"tokens": [...], "text": str | None}."""
+    vocab = model.config.vocab_size
+    if not prompt:
+        raise ValueError("prompt is empty: give --prompt-ids or a non-empty --prompt")
+    bad = [t for t in prompt if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"--prompt-ids: token id(s) {bad[:5]} outside the vocabulary [0, {vocab})")
+    params.validate(vocab)
+    total = len(prompt) + params.max_tokens
+    runner = ModelRunner(model, num_kv_blocks=-(-total // 16) + 1, num_ssm_slots=1)
+    seq = SequenceState(request_id=0)
+    runner.admit(seq)
+    eos_ids = {model.eos_token_id} if model.eos_token_id is not None else set()
+    generator = make_generator(params.seed)
+    logits = None
+    for offset in range(0, len(prompt), PREFILL_CHUNK):
+        length = min(PREFILL_CHUNK, len(prompt) - offset)
+        logits = runner.prefill_chunk(seq, prompt, offset, length, offset + length == len(prompt))
+    tokens: list[int] = []
+    while True:
+        token = int(sample_next(logits[None], [params], [generator], [len(tokens)], eos_ids)[0])
+        tokens.append(token)
+        if len(tokens) >= params.max_tokens or token in params.stop_token_ids or \
+                (stop_at_eos and token in eos_ids):
+            break
+        logits = runner.decode([seq], [token])[0]
+    runner.release(seq)
+    text = tokenizer.decode([t for t in tokens if t not in eos_ids]) if tokenizer is not None else None
+    return {"tokens": tokens, "text": text}
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("generate", help="generate a continuation for one prompt")
+    parser.add_argument("--model", default="tiny", help="'tiny' or a local HF checkpoint directory")
+    parser.add_argument("--prompt-ids", type=str, default=None, help="comma-separated token ids, e.g. 1,2,3")
+    parser.add_argument("--prompt", type=str, default=None, help="prompt text (needs the model's tokenizer)")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--json", action="store_true", help='print {"tokens": [...], "text": ...}')
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if (args.prompt_ids is None) == (args.prompt is None):
+        raise ValueError("give exactly one of --prompt-ids and --prompt")
+    torch.set_grad_enabled(False)
+    model, _, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
+    if args.prompt is not None:
+        if tokenizer is None:
+            raise ValueError(f"--prompt: {args.model} has no tokenizer.json; use --prompt-ids")
+        prompt = tokenizer.encode(args.prompt)
+    else:
+        prompt = parse_ids(args.prompt_ids)
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            min_p=args.min_p, max_tokens=args.max_tokens, seed=args.seed)
+    result = generate(model, tokenizer, prompt, params, stop_at_eos=not args.ignore_eos)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(result["text"] if result["text"] is not None else " ".join(map(str, result["tokens"])))
+    sys.stdout.flush()
+    return 0
