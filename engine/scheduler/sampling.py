@@ -18,7 +18,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-SPECULATION_MTP = "mtp"
+from engine.scheduler.mixing import SPEC_MTP, is_speculative
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ class SamplingParams:
 
 def effective_min_p(params: SamplingParams, speculation: str, no_mtp_minp: bool) -> float:
     """The min-p actually applied: 0.0 under MTP speculation when the ``no_mtp_minp`` lever is on."""
-    if no_mtp_minp and speculation == SPECULATION_MTP:
+    if is_speculative(speculation) and no_mtp_minp and speculation == SPEC_MTP:
         return 0.0
     return params.min_p
 
@@ -112,41 +112,105 @@ def suppress_tokens(logits: torch.Tensor, banned_per_row: Sequence[Iterable[int]
     return out
 
 
-def filtered_probs(
-    logits: torch.Tensor,          # [B, V], already suppressed
-    temperature: torch.Tensor,     # [B] > 0
-    top_k: torch.Tensor,           # [B] long, 0 = off
-    top_p: torch.Tensor,           # [B]
-    min_p: torch.Tensor,           # [B]
-) -> torch.Tensor:                 # [B, V] probabilities, zero outside the kept set
-    """Temperature, then top-k, top-p and min-p, vectorized over rows with their own values."""
-    num_rows, vocab = logits.shape
-    scaled = logits.float() / temperature.float().unsqueeze(1)              # [B, V]
-    # A stable descending sort gives every row the same ranks however the batch is built.
-    sorted_logits, order = torch.sort(scaled, dim=1, descending=True, stable=True)  # [B, V]
-    rank = torch.arange(vocab, device=logits.device).unsqueeze(0)           # [1, V]
-    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
-    keep = rank < k.unsqueeze(1)                                            # [B, V]
-    sorted_logits = sorted_logits.masked_fill(~keep, float("-inf"))
-    probs = torch.softmax(sorted_logits, dim=1)                             # [B, V]
+# Sampled rows look at a sorted head of this many tokens when the head provably
+# holds every token the filters keep; a full-vocabulary sort is ~50x slower.
+HEAD_SIZE = 1024
+
+
+def _filter_sorted(
+    sorted_logits: torch.Tensor,   # [S, N] descending, temperature applied
+    top_k: torch.Tensor,           # [S] long, 0 = off
+    top_p: torch.Tensor,           # [S]
+    min_p: torch.Tensor,           # [S]
+    log_norm_full: torch.Tensor,   # [S] logsumexp over the whole vocabulary
+) -> torch.Tensor:                 # [S, N] kept probabilities, renormalized; 0 elsewhere
+    """Top-k, top-p and min-p on rank-sorted logits, each row with its own values."""
+    n = sorted_logits.shape[1]
+    rank = torch.arange(n, device=sorted_logits.device).unsqueeze(0)       # [1, N]
+    is_k_on = top_k > 0
+    keep = rank < torch.where(is_k_on, top_k, torch.full_like(top_k, n)).unsqueeze(1)  # [S, N]
+    masked = sorted_logits.masked_fill(~keep, float("-inf"))
+    # Probabilities of the top-k distribution over the whole vocabulary: with
+    # top-k off the normalizer is the full one (the head may be a prefix only).
+    log_norm = torch.where(is_k_on, torch.logsumexp(masked, dim=1), log_norm_full)  # [S]
+    probs = torch.exp(masked - log_norm.unsqueeze(1))                      # [S, N]
     # Top-p keeps the shortest head whose mass reaches top_p: a token stays while
     # the mass *before* it is still short of top_p, so the best token always stays.
     mass_before = torch.cumsum(probs, dim=1) - probs
-    keep &= mass_before < top_p.float().unsqueeze(1)
+    keep &= mass_before < top_p.unsqueeze(1)
     # Min-p is relative to the best token, so renormalizing after top-k/top-p
     # would not move it; compare against the current probabilities directly.
-    best = probs[:, :1]                                                     # [B, 1]
-    keep &= probs >= min_p.float().unsqueeze(1) * best
+    keep &= probs >= min_p.unsqueeze(1) * probs[:, :1]
     keep[:, 0] = True  # never an empty set, even with min_p == 1 and float round-off
-    probs = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=1)
-    return torch.zeros_like(probs).scatter_(1, order, probs)                # back to vocab order
+    return torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=1)
 
 
-def _draw(probs_row: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One draw from a [V] distribution, on the generator's device so its stream is the only input."""
-    if generator is not None and probs_row.device != generator.device:
-        probs_row = probs_row.to(generator.device)
-    return int(torch.multinomial(probs_row, 1, generator=generator).item())
+def _head_holds_kept_set(head_logits, top_k, top_p, min_p, log_norm_full, head_size) -> torch.Tensor:
+    """[S] bool: every token the filters keep lies in the first ``head_size`` ranks.
+
+    ``head_logits`` [S, head_size + 1] are the top ranks; the extra one tells
+    whether min-p already drops everything past the head.
+    """
+    probs = torch.exp(head_logits - log_norm_full.unsqueeze(1))            # [S, head + 1]
+    by_k = (top_k > 0) & (top_k <= head_size)
+    by_p = (top_p < 1.0) & (probs[:, :head_size].sum(dim=1) >= top_p)
+    by_min_p = probs[:, head_size] < min_p * probs[:, 0]
+    return by_k | by_p | by_min_p
+
+
+def kept_candidates(
+    logits: torch.Tensor,          # [S, V], already suppressed
+    temperature: torch.Tensor,     # [S] > 0
+    top_k: torch.Tensor,           # [S] long, 0 = off
+    top_p: torch.Tensor,           # [S]
+    min_p: torch.Tensor,           # [S]
+    head_size: int = HEAD_SIZE,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per row: (probabilities [N], token ids [N]) in rank order, after temperature and the filters.
+
+    Whether a row uses the sorted head or a full sort depends on that row
+    alone, so its result never depends on which rows share the batch.
+    """
+    num_rows, vocab = logits.shape
+    scaled = logits.float() / temperature.float().unsqueeze(1)              # [S, V]
+    top_p, min_p = top_p.float(), min_p.float()
+    log_norm_full = torch.logsumexp(scaled, dim=1)                          # [S]
+    out: list = [None] * num_rows
+    full_rows = torch.arange(num_rows, device=logits.device)
+    if vocab > head_size + 1:
+        head_logits, head_ids = torch.topk(scaled, head_size + 1, dim=1)    # [S, head + 1], sorted
+        in_head = _head_holds_kept_set(head_logits, top_k, top_p, min_p, log_norm_full, head_size)
+        head_rows = torch.nonzero(in_head).flatten()
+        if len(head_rows):
+            probs = _filter_sorted(head_logits[head_rows, :head_size], top_k[head_rows],
+                                   top_p[head_rows], min_p[head_rows], log_norm_full[head_rows])
+            for j, row in enumerate(head_rows.tolist()):
+                out[row] = (probs[j], head_ids[row, :head_size])
+        full_rows = torch.nonzero(~in_head).flatten()
+    if len(full_rows):
+        # A stable sort gives every row the same ranks however the batch is built.
+        sorted_logits, order = torch.sort(scaled[full_rows], dim=1, descending=True, stable=True)
+        probs = _filter_sorted(sorted_logits, top_k[full_rows], top_p[full_rows],
+                               min_p[full_rows], log_norm_full[full_rows])   # [F, V]
+        for j, row in enumerate(full_rows.tolist()):
+            out[row] = (probs[j], order[j])
+    return out
+
+
+def filtered_probs(logits, temperature, top_k, top_p, min_p, head_size: int = HEAD_SIZE) -> torch.Tensor:
+    """The filtered distribution of every row in vocabulary order, [B, V] (zero outside the kept set)."""
+    dense = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+    for row, (probs, ids) in enumerate(kept_candidates(logits, temperature, top_k, top_p, min_p, head_size)):
+        dense[row, ids] = probs
+    return dense
+
+
+def _draw(probs: torch.Tensor, ids: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One draw from probs [N] over ids [N], on the generator's device so its stream is the only input."""
+    if generator is not None and probs.device != generator.device:
+        probs = probs.to(generator.device)
+    pick = int(torch.multinomial(probs, 1, generator=generator).item())
+    return int(ids[pick].item())
 
 
 def sample_next(
@@ -183,13 +247,13 @@ def sample_next(
         params[i].min_p if min_p_override is None or min_p_override[i] is None else min_p_override[i]
         for i in sampled_rows
     ]
-    probs = filtered_probs(
+    candidates = kept_candidates(
         logits[rows],
         torch.tensor([params[i].temperature for i in sampled_rows], device=dev),
         torch.tensor([params[i].top_k for i in sampled_rows], device=dev, dtype=torch.long),
         torch.tensor([params[i].top_p for i in sampled_rows], device=dev),
         torch.tensor(min_ps, device=dev),
-    )                                                                       # [S, V]
-    for j, i in enumerate(sampled_rows):
-        next_tokens[i] = _draw(probs[j], generators[i])
+    )
+    for (probs, ids), i in zip(candidates, sampled_rows):
+        next_tokens[i] = _draw(probs, ids, generators[i])
     return next_tokens

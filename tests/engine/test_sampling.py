@@ -189,6 +189,8 @@ def test_effective_min_p_zeroed_only_under_mtp_with_lever():
     assert effective_min_p(p, "mtp", no_mtp_minp=False) == 0.2
     assert effective_min_p(p, "ngram", no_mtp_minp=True) == 0.2
     assert effective_min_p(p, "off", no_mtp_minp=True) == 0.2
+    with pytest.raises(ValueError, match="speculation"):
+        effective_min_p(p, "MTP", no_mtp_minp=True)
 
 
 def test_min_p_override_replaces_row_min_p():
@@ -197,3 +199,33 @@ def test_min_p_override_replaces_row_min_p():
     gens = [make_generator(p.seed) for p in params]
     out = sample_next(logits, params, gens, [0] * 100, set(), min_p_override=[0.0] * 100)
     assert {2, 3} & set(out.tolist())  # with min-p 0.9 only token 0 could come out
+
+
+@pytest.mark.parametrize("top_k, top_p, min_p", [
+    (5, 1.0, 0.0), (0, 0.5, 0.0), (0, 1.0, 0.2), (0, 0.9, 0.05), (40, 0.8, 0.01), (0, 1.0, 0.0), (0, 0.999999, 0.0),
+])
+def test_sorted_head_matches_full_sort(top_k, top_p, min_p):
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 500, generator=g) * torch.tensor([[0.5], [2.0], [4.0], [8.0], [1.0], [3.0]])
+    args = (torch.full((6,), 0.9), torch.full((6,), top_k), torch.full((6,), top_p), torch.full((6,), min_p))
+    head = filtered_probs(logits, *args, head_size=16)  # small head: some rows use it, some fall back
+    full = filtered_probs(logits, *args, head_size=10_000)
+    torch.testing.assert_close(head, full, rtol=1e-5, atol=1e-7)
+    assert torch.equal(head > 0, full > 0)
+
+
+def test_seeded_replay_holds_when_rows_take_different_paths():
+    g = torch.Generator().manual_seed(6)
+    scale = torch.tensor([[0.1], [9.0], [1.0], [6.0]])
+    base = torch.randn(4, 3000, generator=g) * scale  # flat rows need the full sort, peaked ones do not
+    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=50 + i) for i in range(4)]
+
+    def run(order):
+        gens = [make_generator(params[i].seed) for i in order]
+        out = [sample_next(base[order], [params[i] for i in order], gens, [0] * len(order), set()).tolist()
+               for _ in range(4)]
+        return {i: [step[j] for step in out] for j, i in enumerate(order)}
+
+    reference = run([0, 1, 2, 3])
+    assert run([3, 1, 0, 2]) == reference
+    assert run([1]) == {1: reference[1]} and run([0]) == {0: reference[0]}
