@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine import generate
+from engine import generate, serve
 
-COMMANDS = [generate]
+COMMANDS = [generate, serve]
 
 # Errors a user can cause with bad input: reported as one line, exit status 2.
 from engine.cache.kv import KVCacheExhausted  # noqa: E402

@@ -1,0 +1,113 @@
+"""Build a ready engine (model, caches, scheduler) and describe it for the run row."""
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import sqlite3
+import sys
+import time
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.model.loader import load_model
+from engine.model.runner import ModelRunner
+from engine.scheduler.loop import Scheduler
+from telemetry.events import RunStarted
+from telemetry.levers import LeverValues
+
+BLOCK_SIZE = 16
+VERSIONED_PACKAGES = ("torch", "streamlit", "plotly", "watchdog", "sqlite-utils", "safetensors", "tokenizers")
+
+
+@dataclass
+class EngineSetup:
+    model_name: str
+    checkpoint_dir: Path
+    model: Any
+    config: Any
+    tokenizer: Any
+    runner: ModelRunner
+    scheduler: Scheduler
+    engine_config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def special_ids(self) -> set[int]:
+        """Token ids a workload must not draw for prompt text (EOS, think, tool-call, fence)."""
+        names = ("eos_token_id", "think_start_id", "think_end_id", "tool_call_start_id",
+                 "tool_call_end_id", "code_fence_id")
+        return {i for i in (getattr(self.model, n, None) for n in names) if i is not None}
+
+
+def checkpoint_dir_of(name_or_dir: str) -> Path:
+    if name_or_dir == "tiny":
+        from engine.model.tiny import ensure_tiny_checkpoint
+        return ensure_tiny_checkpoint()
+    return Path(name_or_dir).expanduser()
+
+
+def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: LeverValues,
+                 seed: int = 0, device: str | None = None, dtype: torch.dtype = torch.float32,
+                 emit=None) -> EngineSetup:
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if kv_blocks < 1 or ssm_slots < 1:
+        raise ValueError(f"--kv-blocks and --ssm-slots must be >= 1, got {kv_blocks} and {ssm_slots}")
+    directory = checkpoint_dir_of(model_name)
+    model, config, tokenizer = load_model(directory, dtype=dtype, device=device)
+    runner = ModelRunner(model, num_kv_blocks=kv_blocks, num_ssm_slots=ssm_slots,
+                         block_size=BLOCK_SIZE, device=device, dtype=dtype)
+    scheduler = Scheduler(runner, levers, emit=emit, run_seed=seed)
+    engine_config = {"kv_blocks": kv_blocks, "block_size": BLOCK_SIZE, "ssm_slots": ssm_slots,
+                     "device": device, "dtype": str(dtype).removeprefix("torch."), "seed": seed}
+    return EngineSetup(model_name, directory, model, config, tokenizer, runner, scheduler, engine_config)
+
+
+def checkpoint_hash(directory: Path) -> str:
+    """sha256 over config + weight files (name, size, content): which weights a run used."""
+    digest = hashlib.sha256()
+    for path in sorted(directory.glob("*.json")) + sorted(directory.glob("*.safetensors")):
+        digest.update(path.name.encode())
+        digest.update(str(path.stat().st_size).encode())
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def versions() -> dict[str, str]:
+    found = {"python": platform.python_version(), "sqlite": sqlite3.sqlite_version}
+    for name in VERSIONED_PACKAGES:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = "not installed"
+    return found
+
+
+def device_description(device: str) -> str:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return f"{device} ({props.name}, CUDA {torch.version.cuda})"
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as handle:
+            cpu = next((line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return f"cpu ({cpu}, {torch.get_num_threads()} threads)"
+
+
+def run_started_row(setup: EngineSetup, args: Any, workload: dict[str, Any], argv: list[str]) -> RunStarted:
+    config_path = setup.checkpoint_dir / "config.json"
+    model_config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    return RunStarted(
+        started_at=time.time(), model=setup.model_name if setup.model_name == "tiny" else setup.checkpoint_dir.name,
+        device=device_description(setup.engine_config["device"]), config=setup.engine_config,
+        model_config=model_config, versions=versions(), workload=workload,
+        levers=setup.scheduler.levers.as_dict(), command_line=" ".join(["python -m engine", *argv[1:]])
+        if argv and argv[0].endswith("__main__.py") else " ".join(argv),
+        checkpoint_hash=checkpoint_hash(setup.checkpoint_dir))

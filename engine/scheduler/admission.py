@@ -1,0 +1,50 @@
+"""Admission checks: a bad request is rejected with a message naming the field, before any forward."""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from engine.scheduler.sampling import SamplingParams
+
+
+class RequestRejected(ValueError):
+    """A request that can never run; the message names the offending field."""
+
+
+def parse_sampling(raw: dict[str, Any] | SamplingParams, vocab_size: int) -> SamplingParams:
+    """Build and validate sampling parameters; any problem becomes RequestRejected."""
+    try:
+        params = raw if isinstance(raw, SamplingParams) else SamplingParams.from_dict(dict(raw))
+        return params.validate(vocab_size)
+    except (TypeError, ValueError) as exc:
+        raise RequestRejected(str(exc)) from None
+
+
+def check_prompt(prompt_tokens: Sequence[Any], *, vocab_size: int, max_context: int,
+                 num_usable_blocks: int, block_size: int, max_tokens: int) -> list[int]:
+    """The prompt as a list of ints, or RequestRejected naming ``prompt_tokens``."""
+    if len(prompt_tokens) == 0:
+        raise RequestRejected("prompt_tokens: empty prompt (at least one token is needed)")
+    tokens: list[int] = []
+    for index, token in enumerate(prompt_tokens):
+        if isinstance(token, bool) or not isinstance(token, int):
+            if isinstance(token, float) and math.isfinite(token) and token.is_integer():
+                token = int(token)
+            else:
+                raise RequestRejected(f"prompt_tokens[{index}]: {token!r} is not an integer token id")
+        if not 0 <= token < vocab_size:
+            raise RequestRejected(
+                f"prompt_tokens[{index}]: token id {token} is outside the vocabulary [0, {vocab_size})")
+        tokens.append(token)
+    if len(tokens) >= max_context:
+        raise RequestRejected(
+            f"prompt_tokens: {len(tokens)} tokens do not fit the model's context of {max_context}")
+    # The whole sequence (prompt + every output token) must fit the KV cache on its own,
+    # otherwise no amount of preemption can ever let it finish.
+    needed_blocks = -(-(len(tokens) + max_tokens) // block_size)
+    if needed_blocks > num_usable_blocks:
+        raise RequestRejected(
+            f"prompt_tokens: {len(tokens)} prompt + {max_tokens} max_tokens need {needed_blocks} KV blocks, "
+            f"more than the whole cache ({num_usable_blocks} blocks of {block_size} tokens)")
+    return tokens

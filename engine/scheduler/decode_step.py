@@ -1,0 +1,116 @@
+"""Decode ticks, decode-logits processing, token bookkeeping and preemption."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.cache.kv import KVCacheExhausted
+from engine.scheduler.preempt import VictimCandidate, choose_victim as pick_victim
+from engine.scheduler.request import Request
+from engine.scheduler.sampling import effective_min_p, sample_next
+from engine.streams import STREAM_DEFAULT
+from telemetry import events as ev
+
+if TYPE_CHECKING:
+    from engine.scheduler.loop import Scheduler
+
+PREEMPT_FOR_PREFILL = "preempted: KV cache exhausted (a prefill needed its blocks)"
+PREEMPT_FOR_DECODE = "preempted: KV cache exhausted (a decode step needed a new block)"
+
+
+def run(sched: Scheduler) -> int:
+    """One decode forward over the whole active batch; returns the tokens computed."""
+    _make_room(sched)
+    if not sched.active:
+        return 0
+    sched.active.sort(key=lambda a: a.seq.ssm_slot if a.seq.ssm_slot is not None else -1)
+    batch = list(sched.active)
+    with sched.streams.use(STREAM_DEFAULT):
+        logits = sched.runner.decode([a.seq for a in batch], [a.last_token for a in batch])
+    process_logits(sched, batch, logits)
+    return len(batch)
+
+
+def _make_room(sched: Scheduler) -> None:
+    """Preempt until every active sequence can get the block its next token needs."""
+    bm = sched.runner.block_manager
+    while sched.active:
+        needed = sum(bm.num_new_blocks(a.seq, 1) for a in sched.active)
+        if needed <= bm.num_free:
+            return
+        victim = choose_victim(sched)
+        if victim is None:
+            raise KVCacheExhausted(f"KV cache exhausted: {needed} blocks needed for a decode step, "
+                                   f"{bm.num_free} free, and no sequence may be preempted")
+        preempt(sched, victim, prefill_request=None)
+
+
+def process_logits(sched: Scheduler, batch: list[Request], logits: torch.Tensor) -> None:
+    """Sample one token per decode row ([B, V] logits, rows in ``batch`` order)."""
+    if not batch:
+        return
+    levers = sched.levers
+    tokens = sample_next(
+        logits, [a.params for a in batch], [a.generator for a in batch],
+        [a.num_generated for a in batch], sched.eos_ids,
+        min_p_override=[effective_min_p(a.params, levers.speculation, levers.no_mtp_minp) for a in batch])
+    for request, token in zip(batch, tokens.tolist()):
+        append_token(sched, request, token)
+
+
+def append_token(sched: Scheduler, request: Request, token: int) -> None:
+    """Record one generated token and end the request when a stop rule fires."""
+    index = request.num_generated
+    request.output_tokens.append(token)
+    request.last_token = token
+    t_ns = sched.now_ns()
+    sched.emit(ev.TokenEvent(tick=sched.tick, t_ns=t_ns, request_id=request.request_id,
+                             index=index, token_id=token))
+    if index == 0:
+        request.first_token_ns = t_ns
+        sched.emit_request(request, "first_token")
+    reason = finish_reason(request, token, sched.eos_ids, sched.max_context)
+    if reason is not None:
+        sched.finish(request, reason)
+
+
+def finish_reason(request: Request, token: int, eos_ids: set[int], max_context: int) -> str | None:
+    """eos / stop / length, or None to keep decoding (EOS only counts once min_tokens is met)."""
+    params = request.params
+    if token in eos_ids and request.num_generated >= params.min_tokens:
+        return "eos"
+    if token in params.stop_token_ids and request.num_generated >= params.min_tokens:
+        return "stop"
+    if request.num_generated >= params.max_tokens:
+        return "length"
+    if request.prompt_len + request.num_generated >= max_context:
+        return "length"
+    return None
+
+
+def choose_victim(sched: Scheduler) -> Request | None:
+    """The active sequence the ``preempt_policy`` lever picks, or None when nobody qualifies."""
+    candidates = [VictimCandidate(request_id=a.request_id, num_blocks=a.seq.num_blocks,
+                                  has_grammar=a.has_grammar, admitted_tick=a.admitted_tick or 0,
+                                  num_output_tokens=a.num_generated) for a in sched.active]
+    victim_id = pick_victim(candidates, sched.levers.preempt_policy)
+    if victim_id is None:
+        return None
+    return next(a for a in sched.active if a.request_id == victim_id)
+
+
+def preempt(sched: Scheduler, victim: Request, *, prefill_request: Request | None) -> None:
+    """End ``victim`` with the preemption error, free its blocks and slot, log it."""
+    sched.active.remove(victim)
+    blocks_before = sched.runner.block_manager.num_free
+    reason = PREEMPT_FOR_PREFILL if prefill_request is not None else PREEMPT_FOR_DECODE
+    sched.finish(victim, "error", reason)
+    sched.done.append(victim)
+    sched.num_preemptions += 1
+    sched.emit(ev.Preemption(
+        tick=sched.tick, t_ns=sched.now_ns(), victim_request_id=victim.request_id,
+        blocks_freed=sched.runner.block_manager.num_free - blocks_before, reason=reason,
+        policy=sched.levers.preempt_policy,
+        prefill_request_id=prefill_request.request_id if prefill_request else None,
+        num_remaining=len(sched.active)))

@@ -1,0 +1,200 @@
+"""The tick loop: one tick = one forward (mixed, prefill or decode), every decision logged.
+
+A step reads as the algorithm: apply levers, admit, then either advance the
+single prefilling request by one chunk (fused with the decodes when the
+can-mix rule allows) or run one decode batch.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from engine.cache.ssm_pool import SSMPoolExhausted
+from engine.model.runner import ModelRunner
+from engine.scheduler import decode_step, prefill_step
+from engine.scheduler.admission import RequestRejected, check_prompt, parse_sampling
+from engine.scheduler.request import Request
+from engine.streams import StreamSet
+from telemetry import events as ev
+from telemetry.levers import LeverValues
+
+Emit = Callable[[Any], None]
+
+
+class Scheduler:
+    """State of the running engine: waiting queue, one prefilling request, the decoding batch."""
+
+    def __init__(self, runner: ModelRunner, levers: LeverValues, *, emit: Emit | None = None,
+                 run_seed: int = 0, clock_ns: Callable[[], int] = time.monotonic_ns) -> None:
+        self.runner = runner
+        self.levers = levers
+        self._emit = emit
+        self.run_seed = run_seed
+        self._clock_ns = clock_ns
+        self._t0_ns = clock_ns()
+        self.tick = 0
+        self.waiting: deque[Request] = deque()
+        self.prefilling: Request | None = None
+        self.active: list[Request] = []
+        self.done: list[Request] = []
+        self.last_path = ev.PATH_IDLE
+        self.num_preemptions = 0
+        model = runner.model
+        self.eos_ids: set[int] = {model.eos_token_id} if model.eos_token_id is not None else set()
+        self.max_context = getattr(runner.config, "max_position_embeddings", 32768)
+        self.streams = StreamSet(runner.device, self._on_stream_event)
+        self.runner.block_manager.set_cap(levers.kv_blocks_cap or None)
+
+    # ---- telemetry --------------------------------------------------------------------
+    def now_ns(self) -> int:
+        """Monotonic ns since the run started: the time axis of every row."""
+        return self._clock_ns() - self._t0_ns
+
+    def emit(self, event: Any) -> None:
+        if self._emit is not None:
+            self._emit(event)
+
+    def emit_request(self, request: Request, kind: str, detail: str | None = None) -> None:
+        if self._emit is None:
+            return
+        t_ns = self.now_ns()
+        self._emit(ev.RequestEvent(tick=self.tick, t_ns=t_ns, request_id=request.request_id,
+                                   kind=kind, detail=detail))
+        self._emit(request.record(self.tick, t_ns))
+
+    def _on_stream_event(self, kind: str, stream: str, event_name: str, seq: int,
+                         target_stream: str | None, gpu_elapsed_ms: float | None) -> None:
+        self.emit(ev.StreamEvent(tick=self.tick, t_ns=self.now_ns(), kind=kind, stream=stream,
+                                 event_name=event_name, seq=seq, target_stream=target_stream,
+                                 gpu_elapsed_ms=gpu_elapsed_ms))
+
+    # ---- levers -----------------------------------------------------------------------
+    def apply_levers(self, values: LeverValues, *, source: str, version: int | None = None) -> dict:
+        """Switch to ``values`` at this tick boundary and log each lever that changed."""
+        changes = values.changes_from(self.levers)
+        self.levers = values
+        if "kv_blocks_cap" in changes:
+            self.runner.block_manager.set_cap(values.kv_blocks_cap or None)
+        for name, (old, new) in changes.items():
+            self.emit(ev.LeverChange(tick=self.tick, t_ns=self.now_ns(), name=name, old=old, new=new,
+                                     source=source, status="applied", file_version=version))
+        return changes
+
+    def reject_levers(self, reason: str, *, source: str) -> None:
+        self.emit(ev.LeverChange(tick=self.tick, t_ns=self.now_ns(), name="*", source=source,
+                                 status="rejected", reason=reason))
+
+    # ---- requests -----------------------------------------------------------------------
+    def submit(self, request_id: int, prompt_tokens: list[int], sampling: dict | Any,
+               *, conversation_id: int | None = None) -> Request:
+        """Queue a request, or reject it at once with a message naming the bad field."""
+        try:
+            params = parse_sampling(sampling, self.runner.vocab_size)
+            if params.seed is None and not params.is_greedy:
+                # Every sampled request gets a seed so its run can be replayed exactly.
+                params = type(params).from_dict({**params.to_dict(), "seed": self.run_seed * 1_000_003 + request_id})
+            bm = self.runner.block_manager
+            tokens = check_prompt(prompt_tokens, vocab_size=self.runner.vocab_size,
+                                  max_context=self.max_context, num_usable_blocks=bm.num_blocks,
+                                  block_size=bm.block_size, max_tokens=params.max_tokens)
+        except RequestRejected as exc:
+            request = Request(request_id, [], parse_sampling({}, self.runner.vocab_size),
+                              self.now_ns(), self.tick, conversation_id)
+            request.prompt_tokens = [t for t in prompt_tokens if isinstance(t, int)] if isinstance(
+                prompt_tokens, (list, tuple)) else []
+            request.status, request.error, request.finish_reason = ev.REQ_REJECTED, str(exc), "error"
+            request.finished_ns = request.arrival_ns
+            self.done.append(request)
+            self.emit_request(request, "rejected", str(exc))
+            return request
+        request = Request(request_id, tokens, params, self.now_ns(), self.tick, conversation_id)
+        self.waiting.append(request)
+        self.emit_request(request, "arrived")
+        return request
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.active)
+
+    def _admit(self) -> None:
+        """Start the next prefill (FIFO) when an SSM slot and its first chunk's blocks are free."""
+        if self.prefilling is not None or not self.waiting:
+            return
+        head = self.waiting[0]
+        bm = self.runner.block_manager
+        first_chunk = min(head.prompt_len, self.levers.max_prefill_tokens)
+        if self.runner.ssm_pool.num_free == 0 or bm.num_free < bm.num_blocks_for(first_chunk):
+            return
+        self.waiting.popleft()
+        try:
+            self.runner.admit(head.seq)
+        except SSMPoolExhausted:  # raced by nothing today, but never lose the request
+            self.waiting.appendleft(head)
+            return
+        head.status = ev.REQ_PREFILLING
+        head.admitted_ns, head.admitted_tick = self.now_ns(), self.tick
+        self.prefilling = head
+        self.emit_request(head, "admitted")
+
+    # ---- one tick ---------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Run one tick; False when there was nothing to do (no tick is counted then)."""
+        self._admit()
+        # After a plain prefill chunk the decodes get the next tick, so a blocked mix
+        # (bisect_no_mix, speculation) never starves the running sequences.
+        decodes_owed = self.last_path == ev.PATH_PREFILL and bool(self.active)
+        if self.prefilling is None and not self.active:
+            return False
+        start = self.now_ns()
+        if self.prefilling is not None and not decodes_owed:
+            path, num_prefill, num_decode = prefill_step.run(self)
+        else:
+            path, num_prefill, num_decode = ev.PATH_DECODE, 0, decode_step.run(self)
+        num_finished = self._retire()
+        end = self.now_ns()
+        bm, pool = self.runner.block_manager, self.runner.ssm_pool
+        self.emit(ev.Tick(
+            tick=self.tick, t_ns=start, path=path, duration_ns=end - start,
+            num_prefill_tokens=num_prefill, num_decode_tokens=num_decode,
+            num_active=len(self.active), num_waiting=len(self.waiting),
+            num_prefilling=int(self.prefilling is not None), kv_blocks_used=bm.num_used,
+            kv_blocks_total=bm.num_usable, ssm_slots_used=pool.num_used,
+            ssm_slots_total=pool.num_slots, num_finished=num_finished))
+        self.last_path = path
+        self.tick += 1
+        return True
+
+    def _retire(self) -> int:
+        """Move finished or failed requests out of the batch; returns how many finished."""
+        ended = [r for r in self.active if r.finished_ns is not None]
+        if ended:
+            self.active = [r for r in self.active if r.finished_ns is None]
+        if self.prefilling is not None and self.prefilling.finished_ns is not None:
+            ended.append(self.prefilling)
+            self.prefilling = None
+        self.done.extend(ended)
+        return len(ended)
+
+    # ---- endings --------------------------------------------------------------------------
+    def finish(self, request: Request, reason: str, error: str | None = None) -> None:
+        """End a request (its tokens or an error), free its caches, log it."""
+        self.runner.release(request.seq)
+        request.finished_ns = self.now_ns()
+        request.finish_reason = reason
+        request.error = error
+        if error is None:
+            request.status = ev.REQ_FINISHED
+        elif error.startswith("preempted"):
+            request.status = ev.REQ_PREEMPTED
+        else:
+            request.status = ev.REQ_ERROR
+        self.emit_request(request, "finished" if error is None else request.status, error)
+
+    def stop(self, reason: str = "engine stopped before this request finished") -> None:
+        """End everything still queued or running (shutdown)."""
+        for request in list(self.waiting) + ([self.prefilling] if self.prefilling else []) + self.active:
+            self.finish(request, "error", f"cancelled: {reason}")
+        self.waiting.clear()
+        self._retire()

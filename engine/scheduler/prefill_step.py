@@ -1,0 +1,157 @@
+"""One chunk of the single prefilling request: fused with the decodes, or a plain prefill.
+
+The decisions follow the reference scheduler's single-stream prefill step:
+plan the chunk, ask the can-mix rule, then either run ONE mixed forward over
+the chunk and the decode batch, or a plain ``prefill_chunk`` that preempts
+active sequences while the KV cache is exhausted. Each chunk becomes one
+``chunks`` row saying which rule set its length and what blocked mixing.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.cache.kv import KVCacheExhausted
+from engine.scheduler import decode_step
+from engine.scheduler.chunk_plan import ChunkPlan, plan_chunk
+from engine.scheduler.first_token import FirstTokenPolicy, sample_first_token
+from engine.scheduler.mixing import MixVerdict, can_mix, plan_draft_drop
+from engine.scheduler.request import Request
+from engine.scheduler.sampling import effective_min_p
+from engine.streams import EVENT_PREFILL_DONE, STREAM_DEFAULT, STREAM_PREFILL, STREAM_SECONDARY
+from telemetry import events as ev
+
+if TYPE_CHECKING:
+    from engine.scheduler.loop import Scheduler
+
+
+def plan(sched: Scheduler, req: Request) -> ChunkPlan:
+    levers, runner = sched.levers, sched.runner
+    return plan_chunk(
+        prompt_len=req.prompt_len, offset=req.chunk_offset,
+        max_prefill_tokens=levers.max_prefill_tokens,
+        slice_budget=levers.slice_budget if levers.always_mixed else None,
+        is_mla=runner.is_mla, block_size=runner.kv_block_size,
+        ssm_tail_ckpt=levers.ssm_tail_ckpt, ssm_tail_midchunk=levers.ssm_tail_midchunk,
+        tail_split=runner.model.prefill_tail_split(req.prompt_tokens))
+
+
+def run(sched: Scheduler) -> tuple[str, int, int]:
+    """Advance the prefilling request by one chunk; returns (path, prefill tokens, decode tokens)."""
+    req = sched.prefilling
+    assert req is not None
+    chunk = plan(sched, req)
+    verdict = can_mix(bisect_no_mix=sched.levers.bisect_no_mix, num_active=len(sched.active),
+                      is_ep=sched.runner.is_ep, speculation=sched.levers.speculation)
+    start = sched.now_ns()
+    row = ev.ChunkDecision(
+        tick=sched.tick, t_ns=start, request_id=req.request_id, offset=req.chunk_offset,
+        length=chunk.length, prompt_len=req.prompt_len, is_last=chunk.is_last,
+        cap_rule=chunk.cap_rule, max_prefill_tokens=sched.levers.max_prefill_tokens,
+        slice_budget=sched.levers.slice_budget if sched.levers.always_mixed else None,
+        ssm_tail_boundary=chunk.ssm_tail_boundary, can_mix=verdict.can_mix,
+        mix_blocker=verdict.blocker, decode_width=len(sched.active))
+    if req.chunk_offset == 0:
+        sched.emit_request(req, "prefill_start")
+    num_decode = 0
+    if verdict.can_mix:
+        num_decode = _run_mixed(sched, req, chunk, row)
+    if row.path != ev.PATH_MIXED:
+        _run_plain(sched, req, chunk, row)
+    row.duration_ns = sched.now_ns() - start
+    sched.emit(row)
+    return row.path, (chunk.length if row.outcome == "ok" else 0), num_decode
+
+
+def _run_mixed(sched: Scheduler, req: Request, chunk: ChunkPlan, row: ev.ChunkDecision) -> int:
+    """One fused forward over the chunk and every decode; returns decode tokens computed."""
+    drop = plan_draft_drop(sched.levers.speculation, [len(a.pending_drafts) for a in sched.active])
+    if drop.drop_drafts:
+        for active in sched.active:
+            active.pending_drafts.clear()
+        if drop.sync_secondary:
+            sched.streams.sync(STREAM_SECONDARY)
+            sched.emit(ev.GenericEvent(tick=sched.tick, t_ns=sched.now_ns(), kind="drafts_dropped",
+                                       detail={"num_dropped": drop.num_dropped}))
+    # The batched GDN recurrence wants decode rows in SSM-slot order.
+    sched.active.sort(key=lambda a: a.seq.ssm_slot if a.seq.ssm_slot is not None else -1)
+    decodes = list(sched.active)
+    try:
+        with sched.streams.use(STREAM_PREFILL):
+            prefill_logits, decode_logits = sched.runner.mixed_forward(
+                [a.seq for a in decodes], [a.last_token for a in decodes], req.seq,
+                req.prompt_tokens, req.chunk_offset, chunk.length, chunk.is_last)
+    except KVCacheExhausted as exc:
+        # The fused forward could not get blocks for chunk + decodes together; the plain
+        # path below preempts as the reference does, and the row says why it fell back.
+        row.outcome = "mixed_kv_fallback"
+        sched.emit(ev.GenericEvent(tick=sched.tick, t_ns=sched.now_ns(), kind="mixed_kv_fallback",
+                                   request_id=req.request_id, detail={"error": str(exc)}))
+        return 0
+    row.path = ev.PATH_MIXED
+    req.chunk_offset += chunk.length
+    if chunk.is_last:
+        _first_token(sched, req, prefill_logits)
+    sched.streams.record(EVENT_PREFILL_DONE, STREAM_PREFILL)
+    sched.streams.wait(STREAM_DEFAULT, EVENT_PREFILL_DONE)
+    decode_step.process_logits(sched, decodes, decode_logits)
+    return len(decodes)
+
+
+def _run_plain(sched: Scheduler, req: Request, chunk: ChunkPlan, row: ev.ChunkDecision) -> None:
+    """A plain prefill chunk; while the cache is exhausted, preempt a victim and retry."""
+    row.path = ev.PATH_PREFILL
+    while True:
+        try:
+            with sched.streams.use(STREAM_PREFILL):
+                logits = sched.runner.prefill_chunk(req.seq, req.prompt_tokens, req.chunk_offset,
+                                                    chunk.length, chunk.is_last)
+            break
+        except KVCacheExhausted as exc:
+            victim = decode_step.choose_victim(sched)
+            if victim is None:
+                row.outcome = "failed_kv"
+                sched.finish(req, "error", f"KV cache exhausted: no request left to preempt for a "
+                                           f"{chunk.length}-token chunk ({exc})")
+                return
+            decode_step.preempt(sched, victim, prefill_request=req)
+            row.num_preempted += 1
+    if row.outcome != "mixed_kv_fallback":
+        row.outcome = "ok"
+    req.chunk_offset += chunk.length
+    _normalize(sched, req)
+    if chunk.is_last:
+        sched.streams.record(EVENT_PREFILL_DONE, STREAM_PREFILL)
+        sched.streams.wait(STREAM_DEFAULT, EVENT_PREFILL_DONE)
+        _first_token(sched, req, logits)
+
+
+def _normalize(sched: Scheduler, req: Request) -> None:
+    """Bound the SSM state after a plain chunk; log when it acted or failed."""
+    try:
+        acted = sched.runner.normalize_ssm_states(req.seq)
+    except (RuntimeError, ValueError) as exc:
+        sched.emit(ev.GenericEvent(tick=sched.tick, t_ns=sched.now_ns(), kind="ssm_normalize_failed",
+                                   request_id=req.request_id, detail={"error": str(exc)}))
+        return
+    if acted:
+        sched.emit(ev.GenericEvent(tick=sched.tick, t_ns=sched.now_ns(), kind="ssm_normalized",
+                                   request_id=req.request_id, detail={"offset": req.chunk_offset}))
+
+
+def _first_token(sched: Scheduler, req: Request, logits: torch.Tensor) -> None:
+    """Sample token 0 under the first-token policy; the request joins the decode batch."""
+    model = sched.runner.model
+    try:
+        policy = FirstTokenPolicy.for_birth(False, model.think_end_id, model.tool_call_start_id,
+                                            req.params.min_tokens, False)
+        min_p = effective_min_p(req.params, sched.levers.speculation, sched.levers.no_mtp_minp)
+        token = sample_first_token(logits, req.params, req.generator, policy, sched.eos_ids, min_p)
+    except ValueError as exc:
+        sched.finish(req, "error", f"first token: {exc}")
+        return
+    sched.prefilling = None
+    req.status = ev.REQ_DECODING
+    sched.active.append(req)
+    decode_step.append_token(sched, req, token)

@@ -1,0 +1,78 @@
+"""A request as the scheduler tracks it, from arrival to its last token or error."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.scheduler.sampling import SamplingParams
+from engine.sequence import SequenceState
+from telemetry import events as ev
+
+
+@dataclass
+class Request:
+    """One client request and everything the loop needs to schedule it.
+
+    ``chunk_offset`` is how far its prompt has been prefilled; ``last_token``
+    is the token a decode step feeds back in.
+    """
+
+    request_id: int
+    prompt_tokens: list[int]
+    params: SamplingParams
+    arrival_ns: int
+    arrival_tick: int
+    conversation_id: int | None = None
+    seq: SequenceState = field(init=False)
+    generator: torch.Generator | None = field(init=False)
+    status: str = ev.REQ_WAITING
+    chunk_offset: int = 0
+    output_tokens: list[int] = field(default_factory=list)
+    last_token: int | None = None
+    admitted_ns: int | None = None
+    admitted_tick: int | None = None
+    first_token_ns: int | None = None
+    finished_ns: int | None = None
+    error: str | None = None
+    finish_reason: str | None = None
+    prefix_hit_tokens: int = 0
+    prefix_miss_reason: str | None = None
+    # Grammar-constrained requests are never preemption victims (reference rule);
+    # this engine has no grammar engine yet, so it stays False unless a client asks.
+    has_grammar: bool = False
+    pending_drafts: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.seq = SequenceState(request_id=self.request_id)
+        self.generator = None
+        if self.params.seed is not None:
+            # A per-request generator: draws depend on this request alone, so a
+            # replay reproduces tokens whatever the batch around it looks like.
+            self.generator = torch.Generator().manual_seed(int(self.params.seed))
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_tokens)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.output_tokens)
+
+    @property
+    def is_prefill_done(self) -> bool:
+        return self.chunk_offset >= self.prompt_len
+
+    def record(self, tick: int, t_ns: int) -> ev.RequestRecord:
+        """The request's current row for the upserted ``requests`` table."""
+        return ev.RequestRecord(
+            tick=tick, t_ns=t_ns, request_id=self.request_id, status=self.status,
+            arrival_ns=self.arrival_ns, admitted_ns=self.admitted_ns,
+            first_token_ns=self.first_token_ns, finished_ns=self.finished_ns,
+            arrival_tick=self.arrival_tick, prompt_len=self.prompt_len,
+            output_len=self.num_generated, prefix_hit_tokens=self.prefix_hit_tokens,
+            prefix_miss_reason=self.prefix_miss_reason, error=self.error,
+            finish_reason=self.finish_reason, sampling=self.params.to_dict(),
+            prompt_tokens=list(self.prompt_tokens), output_tokens=list(self.output_tokens),
+            conversation_id=self.conversation_id,
+        )

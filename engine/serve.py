@@ -1,0 +1,163 @@
+"""``python -m engine serve``: the engine as a background process writing telemetry to a run directory.
+
+It loads a model, feeds a workload into the scheduler as its arrival times
+come due, applies lever-file changes between ticks, and on SIGTERM / Ctrl-C
+drains the telemetry queue, marks the run finished and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from engine.engine_setup import EngineSetup, build_engine, run_started_row
+from engine.lever_watch import LeverWatcher
+from engine.workload.request import RequestSpec
+from engine.workload_feed import WorkloadFeed
+from telemetry.levers import LEVERS_BY_NAME, defaults, from_env
+from telemetry.writer import TelemetryWriter, mark_crashed_runs
+from telemetry import events as ev
+
+log = logging.getLogger("chunkscope.serve")
+IDLE_SLEEP_S = 0.02
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="run the engine in the background, writing telemetry")
+    p.add_argument("--model", default="tiny", help="'tiny' (embedded default) or a checkpoint directory")
+    p.add_argument("--run-dir", required=True, help="directory for telemetry.db and levers.json")
+    p.add_argument("--workload", default="synthetic",
+                   help="synthetic | multiturn | trace:PATH | bundle:PATH (default synthetic)")
+    p.add_argument("--rate", type=float, default=4.0, help="arrival rate, requests/s (synthetic, multiturn)")
+    p.add_argument("--requests", type=int, default=None, help="stop after this many requests (default: endless)")
+    p.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
+    p.add_argument("--kv-blocks", type=int, default=512, help="physical KV blocks (16 tokens each)")
+    p.add_argument("--ssm-slots", type=int, default=32, help="SSM state slots = most sequences at once")
+    p.add_argument("--seed", type=int, default=0, help="workload and sampling seed")
+    p.add_argument("--time-scale", type=float, default=1.0, help="trace: multiply inter-arrival gaps")
+    p.add_argument("--length-scale", type=float, default=1.0, help="trace: multiply prompt/output lengths")
+    p.add_argument("--limit", type=int, default=None, help="trace: number of rows to replay")
+    p.add_argument("--start", type=int, default=0, help="trace: first row to replay")
+    p.add_argument("--no-telemetry", action="store_true", help="run without writing telemetry (benchmarks)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _setup_logging(run_dir)
+    db_path = run_dir / "telemetry.db"
+    base_levers = from_env(os.environ)
+    setup = build_engine(args.model, kv_blocks=args.kv_blocks, ssm_slots=args.ssm_slots,
+                         levers=base_levers, seed=args.seed)
+    feed = WorkloadFeed.from_args(args, setup)
+    writer = None
+    if not args.no_telemetry:
+        crashed = mark_crashed_runs(db_path)
+        if crashed:
+            log.warning("marked runs %s as crashed (left running by a dead engine)", crashed)
+        writer = TelemetryWriter(db_path)
+        writer.start_run(run_started_row(setup, args, feed.describe(), sys.argv))
+        setup.scheduler._emit = writer.emit
+    sched = setup.scheduler
+    _log_env_levers(sched, base_levers)
+    watcher = LeverWatcher(run_dir / "levers.json", base_levers)
+    stop = _install_stop_handlers()
+    status = "finished"
+    t_start = time.monotonic()
+    log.info("serving %s, run dir %s, workload %s", args.model, run_dir, feed.describe().get("kind"))
+    try:
+        while not stop["now"]:
+            elapsed = time.monotonic() - t_start
+            if args.duration is not None and elapsed >= args.duration:
+                break
+            for spec in feed.due(elapsed):
+                _submit(sched, spec)
+            _poll_levers(sched, watcher)
+            _report_writer_health(sched, writer)
+            if sched.has_work:
+                sched.step()
+            elif feed.is_exhausted:
+                break
+            else:
+                time.sleep(min(IDLE_SLEEP_S, max(0.0, feed.next_arrival_s() - elapsed)))
+    except Exception:
+        log.exception("engine loop failed")
+        status = "error"
+        raise
+    finally:
+        watcher.stop()
+        sched.stop()
+        if writer is not None:
+            writer.close(status)
+        log.info("run %s after %d ticks", status, sched.tick)
+    return 0
+
+
+def _submit(sched, spec: RequestSpec) -> None:
+    request = sched.submit(spec.request_id, spec.prompt_tokens, spec.sampling,
+                           conversation_id=spec.conversation_id)
+    if request.status == ev.REQ_REJECTED:
+        log.warning("request %d rejected: %s", spec.request_id, request.error)
+
+
+def _poll_levers(sched, watcher: LeverWatcher) -> None:
+    update = watcher.poll(sched.levers)
+    if update is None:
+        return
+    if update.error is not None:
+        sched.reject_levers(update.error, source="file")
+    else:
+        changes = sched.apply_levers(update.values, source="file", version=update.version)
+        log.info("levers applied at tick %d: %s", sched.tick, changes)
+
+
+def _log_env_levers(sched, base) -> None:
+    """Levers set by the environment are logged once, at tick 0, with source 'env'."""
+    for name, (old, new) in base.changes_from(defaults()).items():
+        sched.emit(ev.LeverChange(tick=0, t_ns=0, name=name, old=old, new=new, source="env",
+                                  status="applied"))
+    assert all(name in LEVERS_BY_NAME for name in base.as_dict())
+
+
+_last_health: dict[str, str | None] = {"error": None}
+
+
+def _report_writer_health(sched, writer) -> None:
+    """A failing store is reported loudly once per new error; the engine keeps serving."""
+    if writer is None or writer.error == _last_health["error"]:
+        return
+    _last_health["error"] = writer.error
+    if writer.error is not None:
+        log.error("telemetry store failing (engine keeps serving, %d events dropped so far): %s",
+                  writer.num_dropped, writer.error)
+    else:
+        log.warning("telemetry store recovered")
+
+
+def _install_stop_handlers() -> dict[str, bool]:
+    stop = {"now": False}
+
+    def handler(signum, _frame):
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    return stop
+
+
+def _setup_logging(run_dir: Path) -> None:
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    root = logging.getLogger("chunkscope")
+    root.setLevel(logging.INFO)
+    if not root.handlers:
+        for handler in (logging.StreamHandler(sys.stderr), logging.FileHandler(run_dir / "engine.log")):
+            handler.setFormatter(fmt)
+            root.addHandler(handler)
+    torch.set_grad_enabled(False)
