@@ -28,12 +28,17 @@ class PendingFile:
 @dataclass(frozen=True)
 class LeverRow:
     name: str
-    pending: Any                       # what the file asks for (default when the file omits it)
+    pending: Any                       # what the file asks for; None when the file does not name it
     applied: Any                       # what the engine runs with, per telemetry
     applied_tick: int | None           # tick the engine applied it at (None: since run start)
     applied_source: str | None
     rejection: str | None              # newest rejection newer than the newest application
     state: str                         # "in sync" / "pending" / "rejected"
+
+    @property
+    def shown(self) -> Any:
+        """What the widget shows: the file's request if any, else what the engine runs with."""
+        return self.applied if self.pending is None else self.pending
 
 
 def read_pending(path: Path) -> PendingFile:
@@ -102,7 +107,10 @@ def lever_rows(pending: PendingFile, changes: pd.DataFrame, start_levers: dict[s
         if len(rejected_row) and int(rejected_row.iloc[0]["id"]) > applied_id:
             r = rejected_row.iloc[0]
             rejection = f"{r['reason']} (tick {int(r['tick'])}, file version {r['file_version']})"
-        want = pending.values[name]
-        state = "in sync" if want == applied else ("rejected" if rejection else "pending")
+        want = pending.overrides.get(name)
+        if want is None or want == applied:
+            state = "in sync"
+        else:
+            state = "rejected" if rejection else "pending"
         rows.append(LeverRow(name, want, applied, tick, source, rejection, state))
     return rows

@@ -1,0 +1,41 @@
+"""Chunkscope dashboard: a thin router.
+
+    streamlit run dashboard/app.py -- --run-dir runs/default
+
+Sets the page up, draws the run picker in the sidebar and hands over to the
+page modules in ``app_pages/`` (Live first).
+"""
+from __future__ import annotations
+
+
+import streamlit as st
+
+from dashboard import context, data
+from dashboard.db import DataUnavailable
+
+st.set_page_config(page_title="Chunkscope", page_icon="🔬", layout="wide")
+PAGES = [
+    st.Page("app_pages/live.py", title="Live", icon="⏱️", default=True),
+    st.Page("app_pages/chunks.py", title="Chunks", icon="🧩"),
+    st.Page("app_pages/requests.py", title="Requests", icon="📨"),
+    st.Page("app_pages/levers.py", title="Levers", icon="🎛️"),
+    st.Page("app_pages/runs.py", title="Runs", icon="🗂️"),
+]
+
+
+def run_picker() -> None:
+    paths = context.paths()
+    st.sidebar.caption(f"run dir `{paths.run_dir}`")
+    try:
+        runs = data.list_runs(str(paths.db))
+    except DataUnavailable:
+        return  # the page says why
+    if runs.empty:
+        return
+    labels = {context.LATEST: f"latest (run {int(runs['run_id'].iloc[0])})"}
+    labels.update({int(r.run_id): f"run {int(r.run_id)} · {r.status} · {r.model}" for r in runs.itertuples()})
+    st.sidebar.selectbox("run", list(labels), format_func=labels.get, key=context.RUN_KEY)
+
+
+run_picker()
+st.navigation(PAGES).run()

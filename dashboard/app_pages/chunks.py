@@ -1,0 +1,45 @@
+"""Chunks: every chunk decision, filterable, with the length histogram and mixed-vs-plain share."""
+from __future__ import annotations
+
+import streamlit as st
+
+from dashboard import charts, context, data
+from dashboard.context import RunContext
+from dashboard.queries_chunks import BLOCKERS, CAP_RULES, PATHS, ChunkFilter
+
+TABLE_LIMIT = 500
+
+st.title("Chunks")
+
+
+def read_filter() -> ChunkFilter | None:
+    cols = st.columns(4)
+    request = cols[0].text_input("request id", key="chunks_request", placeholder="any")
+    paths = cols[1].multiselect("path", PATHS, key="chunks_path")
+    caps = cols[2].multiselect("cap rule", CAP_RULES, key="chunks_cap")
+    blockers = cols[3].multiselect("can-mix blocker", BLOCKERS, key="chunks_blocker")
+    request = request.strip()
+    if request and not request.isdigit():
+        st.error(f"request id {request!r} is not a number")
+        return None
+    return ChunkFilter(int(request) if request else None, tuple(paths), tuple(caps), tuple(blockers))
+
+
+def render(ctx: RunContext) -> None:
+    flt = read_filter()
+    if flt is None:
+        return
+    count, table, hist, share = data.chunk_view(ctx.db, ctx.run_id, ctx.version, flt, TABLE_LIMIT)
+    shown = f"newest {len(table)} shown" if count > len(table) else "all shown"
+    st.markdown(f"**{count} chunk decisions** match in run {ctx.run_id} ({shown})")
+    if count == 0:
+        st.info("No chunk decision matches these filters.")
+        return
+    st.dataframe(table, hide_index=True, key="chunks_table",
+                 column_config={"duration_ns": st.column_config.NumberColumn("duration (ns)")})
+    left, right = st.columns(2)
+    left.plotly_chart(charts.chunk_length_histogram(hist), key="chunks_hist", width="stretch")
+    right.plotly_chart(charts.mix_share_figure(share), key="chunks_share", width="stretch")
+
+
+context.run_page(render)

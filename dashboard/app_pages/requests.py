@@ -1,0 +1,53 @@
+"""Requests: lifecycle waterfall per request (searchable), prefix-cache hits, errors with messages."""
+from __future__ import annotations
+
+import pandas as pd
+import streamlit as st
+
+from dashboard import charts, context, data
+from dashboard.context import RunContext
+from dashboard.lifecycle import request_phases
+from dashboard.queries_requests import MAX_LISTED, BadSearch, parse_search
+from telemetry import events as ev
+
+STATUSES = (ev.REQ_WAITING, ev.REQ_PREFILLING, ev.REQ_DECODING, ev.REQ_PREEMPTED, ev.REQ_FINISHED,
+            ev.REQ_ERROR, ev.REQ_REJECTED)
+
+st.title("Requests")
+
+
+def render(ctx: RunContext) -> None:
+    cols = st.columns([2, 3])
+    text = cols[0].text_input("search request ids", key="requests_search", placeholder="12 · 3, 7 · 10-20")
+    statuses = cols[1].multiselect("status", STATUSES, key="requests_status")
+    try:
+        search = parse_search(text)
+    except BadSearch as exc:
+        st.error(str(exc))
+        return
+    counts, found, events, end_ms, errors = data.request_view(ctx.db, ctx.run_id, ctx.version, search,
+                                                             tuple(statuses))
+    total = sum(counts.values())
+    st.markdown(f"**{total} requests** in run {ctx.run_id}: " +
+                (", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "none yet"))
+    if found.empty:
+        st.info("No request matches this search.")
+    else:
+        st.caption(f"{len(found)} requests shown (newest first, at most {MAX_LISTED})")
+        phases = request_phases(found, events, end_ms)
+        st.plotly_chart(charts.waterfall_figure(phases), key="requests_waterfall", width="stretch")
+        table = found.assign(
+            ttft_ms=(found["first_token_ns"] - found["arrival_ns"]) / 1e6,
+            e2e_ms=(found["finished_ns"] - found["arrival_ns"]) / 1e6,
+            prefix_hit_ratio=(found["prefix_hit_tokens"] / found["prompt_len"].where(found["prompt_len"] > 0)),
+        ).drop(columns=["arrival_ns", "admitted_ns", "first_token_ns", "finished_ns"])
+        st.dataframe(table, hide_index=True, key="requests_table",
+                     column_config={"prefix_hit_ratio": st.column_config.NumberColumn(format="percent")})
+    st.subheader(f"Errors ({len(errors)})")
+    if errors.empty:
+        st.success("No request ended in an error.")
+    else:
+        st.dataframe(errors, hide_index=True, key="requests_errors")
+
+
+context.run_page(render)

@@ -1,0 +1,51 @@
+"""Runs: all runs in the store, and two of them compared side by side with their lever settings."""
+from __future__ import annotations
+
+import pandas as pd
+import streamlit as st
+
+from dashboard import charts, context, data
+from dashboard.context import RunContext
+from dashboard.db import DataUnavailable
+
+st.title("Runs")
+
+
+def _version(ctx: RunContext, run_id: int):
+    return data.run_version(ctx.db, run_id)
+
+
+def render(ctx: RunContext) -> None:
+    runs = data.list_runs(ctx.db)
+    crashed = int((runs["status"] == "crashed").sum())
+    st.markdown(f"**{len(runs)} runs** in `{ctx.db}`" + (f", :red[{crashed} crashed]" if crashed else ""))
+    listing = runs.drop(columns=["levers", "config", "workload"]).assign(
+        started=pd.to_datetime(runs["started_at"], unit="s"))
+    st.dataframe(listing, hide_index=True, key="runs_table")
+    ids = [int(r) for r in runs["run_id"]]
+    cols = st.columns(2)
+    a = cols[0].selectbox("run A", ids, index=0, key="runs_a")
+    b = cols[1].selectbox("run B", ids, index=min(1, len(ids) - 1), key="runs_b")
+    metrics, levers = {}, {}
+    for run_id in dict.fromkeys([a, b]):
+        version = _version(ctx, run_id)
+        row = data.run_row(ctx.db, run_id, version) or {}
+        label = f"run {run_id} ({row.get('status')})"
+        metrics[label] = data.run_metrics(ctx.db, run_id, version)
+        levers[label] = row.get("levers") or {}
+    table = pd.DataFrame(metrics)
+    st.subheader("Side by side")
+    st.dataframe(table.map(lambda v: "–" if v is None or pd.isna(v) else round(v, 3)), key="runs_compare")
+    latency = table.loc[[i for i in table.index if i.endswith(" ms")]]
+    long = latency.reset_index(names="metric").melt(id_vars="metric", var_name="run", value_name="value_ms")
+    long["metric"] = long["metric"].str.removesuffix(" ms")
+    st.plotly_chart(charts.runs_compare_figure(long.dropna()), key="runs_latency", width="stretch")
+    st.subheader("Lever settings at start")
+    lever_table = pd.DataFrame(levers).astype(str)
+    if len(levers) == 2:
+        first, second = lever_table.columns
+        lever_table["differs"] = lever_table[first] != lever_table[second]
+    st.dataframe(lever_table, key="runs_levers")
+
+
+context.run_page(render)
