@@ -1,0 +1,66 @@
+"""SQL layer details the page tests do not reach: bucketing, lifecycle phases, search parsing."""
+import pandas as pd
+import pytest
+
+from dashboard import queries_live
+from dashboard.lifecycle import request_phases
+from dashboard.queries_requests import BadSearch, parse_search
+
+
+def test_timeline_buckets_in_sql_past_the_raw_limit(run_fixture, monkeypatch):
+    raw = queries_live.timeline_window(run_fixture.db, run_fixture.run1, 10.0)
+    assert not raw.is_bucketed and len(raw.forwards) == raw.num_forwards
+    monkeypatch.setattr(queries_live, "MAX_RAW_FORWARDS", 50)
+    bucketed = queries_live.timeline_window(run_fixture.db, run_fixture.run1, 10.0)
+    assert bucketed.is_bucketed and "end_ms" in bucketed.forwards
+    assert bucketed.forwards["num_ticks"].sum() == raw.num_forwards
+    by_path = bucketed.forwards.groupby("path")["num_ticks"].sum().to_dict()
+    assert by_path == raw.forwards["path"].value_counts().to_dict()
+
+
+def test_latency_itl_matches_token_gaps(run_fixture):
+    tokens = run_fixture.of("TokenEvent")
+    gaps = []
+    last = {}
+    for t in tokens:
+        if t.request_id in last:
+            gaps.append((t.t_ns - last[t.request_id]) / 1e6)
+        last[t.request_id] = t.t_ns
+    gaps.sort()
+    lat = queries_live.latency_percentiles(run_fixture.db, run_fixture.run1, recent_tokens=None).set_index("metric")
+    assert lat.loc["ITL", "count"] == len(gaps)
+    assert lat.loc["ITL", "p50_ms"] == pytest.approx(gaps[(len(gaps) * 50 + 99) // 100 - 1])
+    assert lat.loc["ITL", "p99_ms"] == pytest.approx(gaps[(len(gaps) * 99 + 99) // 100 - 1])
+
+
+def test_phases_from_events_with_preemption():
+    reqs = pd.DataFrame([{"request_id": 4, "status": "finished", "arrival_ns": 0, "admitted_ns": 1e6,
+                          "first_token_ns": 3e6, "finished_ns": 9e6, "error": None, "finish_reason": "eos"}])
+    events = pd.DataFrame({"request_id": [4] * 7, "t_ns": [0, 1e6, 3e6, 4e6, 6e6, 7e6, 9e6],
+                           "kind": ["arrived", "admitted", "first_token", "preempted", "admitted", "first_token",
+                                    "finished"], "detail": [None] * 6 + ["eos"]})
+    phases = request_phases(reqs, events, end_ms=20.0)
+    assert list(phases["phase"]) == ["queued", "prefilling", "decoding", "preempted", "prefilling", "decoding",
+                                     "finished"]
+    assert list(phases["start_ms"]) == [0, 1, 3, 4, 6, 7, 9]
+    assert phases.iloc[-1]["detail"] == "eos"
+
+
+def test_phases_fall_back_to_row_and_close_in_flight():
+    reqs = pd.DataFrame([{"request_id": 1, "status": "decoding", "arrival_ns": 0, "admitted_ns": 2e6,
+                          "first_token_ns": 5e6, "finished_ns": None, "error": None, "finish_reason": None}])
+    empty = pd.DataFrame(columns=["request_id", "kind", "t_ns", "detail"])
+    phases = request_phases(reqs, empty, end_ms=12.0)
+    assert list(phases["phase"]) == ["queued", "prefilling", "decoding"]
+    assert phases.iloc[-1]["end_ms"] == 12.0
+
+
+@pytest.mark.parametrize("text,expected", [("", None), ("12", [12]), ("3, 7", [3, 7]), ("10-20", (10, 20))])
+def test_parse_search(text, expected):
+    assert parse_search(text) == expected
+
+
+@pytest.mark.parametrize("text", ["abc", "5-", "9-3", "1;DROP TABLE runs"])
+def test_parse_search_rejects(text):
+    with pytest.raises(BadSearch):
+        parse_search(text)
