@@ -213,7 +213,7 @@ def validate_file_bytes(raw: bytes) -> tuple[int, dict[str, Any]]:
         document = json.loads(text, object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant)
     except json.JSONDecodeError as exc:
         raise LeversError(f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg} "
-                          f"(truncated write?)") from None
+                          f"(truncated write, or not JSON)") from None
     if not isinstance(document, dict):
         raise LeversError(f"top level must be a JSON object, got {type(document).__name__}")
     unknown_keys = set(document) - {"version", "levers"}
