@@ -220,7 +220,11 @@ class BlockManager:
 
     def _claim_owner(self, seq: SequenceState) -> None:
         owner = self._owners.get(seq.request_id)
-        if owner is not None and owner is not seq:
+        if owner is not None and owner is not seq and not owner.block_table:
+            # The old state gave all its blocks back (an undone allocation):
+            # the request id is free to take.
+            del self._owners[seq.request_id]
+        elif owner is not None and owner is not seq:
             raise ValueError(f"request id {seq.request_id} already owns blocks through another SequenceState")
 
     # ---- checks -------------------------------------------------------
