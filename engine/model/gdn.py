@@ -11,6 +11,8 @@ matmuls instead of C sequential rank-1 updates.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,6 +23,20 @@ from engine.model.config import ModelConfig
 from engine.model.layers import GatedRMSNorm
 
 CHUNK_SIZE = 64
+
+
+@dataclass
+class SSMCapture:
+    """Asks one forward's GDN layers for the prefill sequence's state after its first ``num_rows`` chunk rows.
+
+    The runner hangs it on the batch (``batch.ssm_capture``); each linear layer fills its
+    entry: conv ``[conv_dim, K-1]`` and recurrent ``[Hv, Dk, Dv]``, keyed by linear index.
+    It lets a prefix-cache snapshot land inside a chunk without cutting the chunk there.
+    """
+
+    num_rows: int
+    conv: dict[int, torch.Tensor] = field(default_factory=dict)
+    recurrent: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -136,8 +152,13 @@ class GatedDeltaNet(nn.Module):
             conv_states[slot] = window[:, -(self.conv_kernel - 1):].float()
             conv_out = F.silu(F.conv1d(window[None], weight[:, None, :], groups=self.conv_dim)[0]).t()  # [L, C]
             q, k, v = self._split_heads(conv_out)  # [L, H, D]
-            out, final = chunked_gated_delta_rule(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                                  g[:split].t(), beta[:split].t(), rec_states[slot])
+            capture = getattr(batch, "ssm_capture", None)
+            if capture is None:
+                out, final = chunked_gated_delta_rule(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                      g[:split].t(), beta[:split].t(), rec_states[slot])
+            else:
+                out, final = self._prefill_with_capture(window, q, k, v, g[:split], beta[:split],
+                                                        rec_states[slot], capture)
             rec_states[slot] = final
             outputs.append(out.transpose(0, 1))  # [L, Hv, Dv]
 
@@ -156,6 +177,23 @@ class GatedDeltaNet(nn.Module):
         core = torch.cat(outputs, dim=0) if len(outputs) > 1 else outputs[0]  # [T, Hv, Dv]
         core = self.norm(core.to(x.dtype), z.view(num_tokens, self.num_v_heads, self.head_v_dim))
         return self.out_proj(core.reshape(num_tokens, self.value_dim))
+
+    def _prefill_with_capture(self, window: torch.Tensor, q, k, v, g, beta, state: torch.Tensor,
+                              capture: SSMCapture) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prefill recurrence in two parts, [0, r) and [r, L), recording the state between them.
+
+        window: [conv_dim, K-1+L] (old conv state, then the chunk's inputs); q, k: [L, H, Dk];
+        v: [L, H, Dv]; g, beta: [L, H]; state: [H, Dk, Dv]. Returns (outputs [H, L, Dv], final state).
+        """
+        rows = capture.num_rows
+        # After r tokens the conv window holds the last K-1 inputs: columns r .. r+K-2.
+        capture.conv[self.linear_index] = window[:, rows:rows + self.conv_kernel - 1].float().clone()
+        parts = [(x[:rows].transpose(0, 1), x[rows:].transpose(0, 1)) for x in (q, k, v, g, beta)]
+        (q0, q1), (k0, k1), (v0, v1), (g0, g1), (b0, b1) = parts
+        head_out, middle = chunked_gated_delta_rule(q0, k0, v0, g0, b0, state)
+        tail_out, final = chunked_gated_delta_rule(q1, k1, v1, g1, b1, middle)
+        capture.recurrent[self.linear_index] = middle.clone()
+        return torch.cat([head_out, tail_out], dim=1), final
 
     def _split_heads(self, conv_out: torch.Tensor):
         """[T, conv_dim] -> l2-normalised, scaled q, k and v in float32, k heads repeated to v heads."""

@@ -5,8 +5,9 @@ import torch
 
 from engine.cache.kv import BlockManager
 from engine.cache.kv_store import KVStore
-from engine.cache.ssm_pool import SSMPool
+from engine.cache.ssm_pool import SSMPool, SSMSnapshot
 from engine.model.batch import build_batch
+from engine.model.gdn import SSMCapture
 from engine.model.qwen3_5 import Qwen35ForCausalLM
 from engine.sequence import SequenceState
 
@@ -31,6 +32,8 @@ class ModelRunner:
         self.ssm_pool = SSMPool(num_ssm_slots, len(config.linear_attention_layers), config.conv_dim,
                                 config.linear_conv_kernel_dim, config.linear_num_value_heads,
                                 config.linear_key_head_dim, config.linear_value_head_dim, device=self.device)
+        # The SSM state a forward captured inside its prefill chunk (``capture_at``), else None.
+        self.last_capture: SSMSnapshot | None = None
 
     # ---- properties the scheduler reads ----------------------------------------------
     @property
@@ -69,9 +72,13 @@ class ModelRunner:
 
     # ---- forwards -------------------------------------------------------------------------
     def prefill_chunk(self, seq: SequenceState, prompt: list[int], offset: int, length: int,
-                      is_last: bool) -> torch.Tensor | None:
-        """Run prompt[offset:offset+length]; logits [V] at its last token when ``is_last``."""
-        logits, _ = self.mixed_forward([], [], seq, prompt, offset, length, is_last)
+                      is_last: bool, capture_at: int | None = None) -> torch.Tensor | None:
+        """Run prompt[offset:offset+length]; logits [V] at its last token when ``is_last``.
+
+        ``capture_at`` (offset < capture_at < offset+length): also capture the SSM state after
+        prompt[:capture_at] into ``self.last_capture`` without splitting the chunk.
+        """
+        logits, _ = self.mixed_forward([], [], seq, prompt, offset, length, is_last, capture_at)
         return logits
 
     def decode(self, seqs: list[SequenceState], tokens: list[int]) -> torch.Tensor:
@@ -81,8 +88,12 @@ class ModelRunner:
 
     def mixed_forward(self, decode_seqs: list[SequenceState], decode_tokens: list[int],
                       prefill_seq: SequenceState | None, prompt: list[int] | None, offset: int, length: int,
-                      is_last: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """ONE forward over [prefill chunk rows | decode rows]; returns (prefill logits [V] or None, [B, V])."""
+                      is_last: bool, capture_at: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """ONE forward over [prefill chunk rows | decode rows]; returns (prefill logits [V] or None, [B, V]).
+
+        ``capture_at`` as in ``prefill_chunk``: the captured state lands in ``self.last_capture``.
+        """
+        self.last_capture = None
         if len(decode_seqs) != len(decode_tokens):
             raise ValueError(f"decode_tokens has {len(decode_tokens)} ids for {len(decode_seqs)} sequences")
         if prefill_seq is None and not decode_seqs:
@@ -90,6 +101,9 @@ class ModelRunner:
         chunk: list[int] = []
         if prefill_seq is not None:
             chunk = self._check_chunk(prefill_seq, prompt, offset, length)
+        if capture_at is not None and (prefill_seq is None or not offset < capture_at < offset + length):
+            raise ValueError(f"capture_at={capture_at} must lie strictly inside the prefill chunk "
+                             f"[{offset}, {offset + length})")
         self._check_tokens(decode_tokens, "decode_tokens")
         for seq in decode_seqs:
             self._slot(seq)
@@ -101,12 +115,18 @@ class ModelRunner:
         decodes = [(tok, seq.num_cached_tokens, seq.block_table, seq.ssm_slot)
                    for seq, tok in zip(decode_seqs, decode_tokens)]
         batch = build_batch(prefill, decodes, self.kv_block_size, self.device)
+        capture = None
+        if capture_at is not None:
+            capture = SSMCapture(num_rows=capture_at - offset)
+            batch.ssm_capture = capture  # read by every GatedDeltaNet layer of this forward
         rows = list(range(len(chunk), len(chunk) + len(decode_seqs)))
         if prefill_seq is not None and is_last:
             rows.insert(0, len(chunk) - 1)
         logits = self.model(batch, self.kv_store, self.ssm_pool,
                             torch.tensor(rows, dtype=torch.long, device=self.device))  # [R, V]
 
+        if capture is not None:
+            self.last_capture = self._capture_snapshot(capture, prefill_seq)
         if prefill_seq is not None:
             prefill_seq.num_cached_tokens += length
         for seq in decode_seqs:
@@ -115,6 +135,17 @@ class ModelRunner:
         return prefill_logits, logits[len(rows) - len(decode_seqs):]
 
     # ---- helpers ----------------------------------------------------------------------------
+    def _capture_snapshot(self, capture: SSMCapture, seq: SequenceState) -> SSMSnapshot:
+        """Stack the per-layer captured states into the pool's snapshot layout."""
+        slot = self._slot(seq)
+        conv = torch.zeros_like(self.ssm_pool.conv[:, slot])  # [L, conv_dim, K-1]
+        recurrent = torch.zeros_like(self.ssm_pool.recurrent[:, slot])  # [L, Hv, Dk, Dv]
+        for index, state in capture.conv.items():
+            conv[index] = state
+        for index, state in capture.recurrent.items():
+            recurrent[index] = state
+        return SSMSnapshot(conv, recurrent)
+
     def _allocate_all(self, decode_seqs, prefill_seq, length) -> None:
         """Allocate every sequence's new blocks, or none of them (KVCacheExhausted leaves no trace)."""
         grown: list[tuple[SequenceState, int]] = []
