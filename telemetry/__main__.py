@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-COMMAND_MODULES = ("telemetry.cli_runs", "telemetry.cli_levers")
+COMMAND_MODULES = ("telemetry.cli_runs", "telemetry.cli_levers", "telemetry.cli_export")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -62,10 +62,172 @@ recorded chunk decisions are the ``chunks`` table.
 
 ``summary.md``: the run in numbers, errors by message, lever changes, top preemptions.
 
-``open_bundle(path) -> Bundle`` validates and extracts a bundle (``BundleError``
-with one clear message otherwise); ``export_bundle(...)`` writes one.
+``open_bundle(path) -> Bundle`` (here) validates and extracts a bundle, or
+raises ``BundleError`` with one clear message; ``telemetry.bundle_export.
+export_bundle(db, out, run_id=None, since_s=None, until_s=None)`` writes one.
 """
 from __future__ import annotations
 
 BUNDLE_FORMAT = 1
 BUNDLE_MEMBERS = ("manifest.json", "telemetry.db", "trace.json.gz", "workload.jsonl", "summary.md")
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import sqlite3
+import tempfile
+import weakref
+import zipfile
+import zlib
+from pathlib import Path
+from typing import Any
+
+from telemetry.events import SCHEMA_VERSION
+
+_READ_CHUNK = 1 << 20
+
+
+class BundleError(RuntimeError):
+    """A bundle cannot be written or opened; the message names the file and the reason."""
+
+
+@dataclasses.dataclass
+class Bundle:
+    """An opened, validated bundle; its members are extracted under ``directory`` until ``close()``."""
+
+    path: Path                          # the zip
+    directory: Path                     # temp dir holding the extracted members
+    manifest: dict[str, Any]
+    workload: list[dict[str, Any]]      # workload.jsonl rows, file order
+    lever_timeline: dict[str, Any]      # {"start": {...}, "changes": [...]}
+    db_path: Path                       # extracted telemetry.db (open it read-only)
+    trace_path: Path                    # extracted trace.json.gz
+    workload_path: Path                 # extracted workload.jsonl (engine/workload/bundle.py reads it)
+    summary_md: str
+
+    @property
+    def run_id(self) -> int:
+        return int(self.manifest["run"]["run_id"])
+
+    @property
+    def applied_lever_changes(self) -> list[dict[str, Any]]:
+        """Changes a replay applies, by tick (rejected ones are history only)."""
+        return [c for c in self.lever_timeline["changes"] if c.get("status") == "applied"]
+
+    def close(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    def __enter__(self) -> "Bundle":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _check_version(manifest: dict[str, Any], key: str, label: str, ours: int, where: str) -> None:
+    value = manifest.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise BundleError(f"{where}: manifest.json field {key!r} must be a positive integer, got {value!r}")
+    if value > ours:
+        raise BundleError(f"{label} {value} is newer than this Chunkscope ({ours}); upgrade to open it")
+
+
+def _read_manifest(zf: zipfile.ZipFile, where: str) -> dict[str, Any]:
+    try:
+        manifest = json.loads(zf.read("manifest.json").decode("utf-8"))
+    except (zipfile.BadZipFile, zlib.error, OSError) as exc:
+        raise BundleError(f"{where} is corrupted: manifest.json cannot be read ({exc})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BundleError(f"{where}: manifest.json is not valid JSON ({exc})") from None
+    if not isinstance(manifest, dict):
+        raise BundleError(f"{where}: manifest.json must hold a JSON object, got {type(manifest).__name__}")
+    _check_version(manifest, "bundle_format", "bundle format", BUNDLE_FORMAT, where)
+    _check_version(manifest, "schema_version", "bundle schema", SCHEMA_VERSION, where)
+    for key in ("run", "levers", "time_range", "files"):
+        if not isinstance(manifest.get(key), dict):
+            raise BundleError(f"{where}: manifest.json field {key!r} is missing or not an object")
+    if not isinstance(manifest["run"].get("run_id"), int):
+        raise BundleError(f"{where}: manifest.json field 'run.run_id' must be an integer")
+    return manifest
+
+
+def _extract(zf: zipfile.ZipFile, name: str, dest: Path, expected: dict[str, Any] | None, where: str) -> None:
+    """Copy one member out in chunks, checking its CRC (zipfile) and the manifest's sha256."""
+    digest = hashlib.sha256()
+    try:
+        with zf.open(name) as src, dest.open("wb") as out:
+            while block := src.read(_READ_CHUNK):
+                digest.update(block)
+                out.write(block)
+    except (zipfile.BadZipFile, zlib.error, EOFError) as exc:
+        raise BundleError(f"{where} is corrupted: member {name} cannot be read ({exc})") from None
+    if expected is not None and expected.get("sha256") not in (None, digest.hexdigest()):
+        raise BundleError(f"{where} is corrupted: member {name} does not match the sha256 in manifest.json")
+
+
+def _read_workload(path: Path, where: str) -> list[dict[str, Any]]:
+    rows = []
+    with path.open(encoding="utf-8") as handle:
+        for line_no, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise BundleError(f"{where}: workload.jsonl line {line_no} is not JSON ({exc.msg})") from None
+            if not isinstance(row, dict) or not isinstance(row.get("request_id"), int):
+                raise BundleError(f"{where}: workload.jsonl line {line_no} has no integer request_id")
+            rows.append(row)
+    return rows
+
+
+def _check_db(path: Path, run_id: int, where: str) -> None:
+    try:
+        conn = sqlite3.connect(f"file:{path.resolve()}?mode=ro", uri=True)
+        try:
+            run_ids = [r[0] for r in conn.execute("SELECT run_id FROM runs")]
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        raise BundleError(f"{where}: telemetry.db is not a readable telemetry store ({exc})") from None
+    if run_ids != [run_id]:
+        raise BundleError(f"{where}: telemetry.db holds runs {run_ids}, manifest.json says run {run_id}")
+
+
+def open_bundle(path: str | os.PathLike) -> Bundle:
+    """Validate and extract a bundle; ``BundleError`` names what is wrong. Close the result (or use ``with``)."""
+    path = Path(path)
+    where = f"bundle {path}"
+    if not path.is_file():
+        raise BundleError(f"{where} does not exist")
+    if not zipfile.is_zipfile(path):
+        raise BundleError(f"{where} is not a zip file (corrupted or not a Chunkscope bundle)")
+    directory = Path(tempfile.mkdtemp(prefix="chunkscope-bundle-"))
+    try:
+        try:
+            with zipfile.ZipFile(path) as zf:
+                missing = [n for n in BUNDLE_MEMBERS if n not in set(zf.namelist())]
+                if missing:
+                    raise BundleError(f"{where} is missing {', '.join(missing)}")
+                manifest = _read_manifest(zf, where)
+                for name in BUNDLE_MEMBERS:
+                    _extract(zf, name, directory / name, manifest["files"].get(name), where)
+        except zipfile.BadZipFile as exc:
+            raise BundleError(f"{where} is corrupted: {exc}") from None
+        run_id = manifest["run"]["run_id"]
+        _check_db(directory / "telemetry.db", run_id, where)
+        levers = manifest["levers"]
+        if not isinstance(levers.get("start"), dict) or not isinstance(levers.get("changes"), list):
+            raise BundleError(f"{where}: manifest.json 'levers' needs a 'start' object and a 'changes' list")
+        bundle = Bundle(path=path, directory=directory, manifest=manifest,
+                        workload=_read_workload(directory / "workload.jsonl", where), lever_timeline=levers,
+                        db_path=directory / "telemetry.db", trace_path=directory / "trace.json.gz",
+                        workload_path=directory / "workload.jsonl",
+                        summary_md=(directory / "summary.md").read_text(encoding="utf-8", errors="replace"))
+    except BaseException:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+    weakref.finalize(bundle, shutil.rmtree, str(directory), True)
+    return bundle

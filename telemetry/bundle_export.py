@@ -1,0 +1,159 @@
+"""Write a bug-report bundle (format: ``telemetry/bundle.py``) from a live or finished store.
+
+Built on disk, member by member, in a temp directory (the snapshot first; every
+other member is derived from it) and zipped at the end; nothing large is held
+in memory. The zip appears under its final name only when complete.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import sqlite3
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Any
+
+from telemetry import perfetto, snapshot
+from telemetry.bundle import BUNDLE_FORMAT, BUNDLE_MEMBERS, BundleError
+from telemetry.manifest import build_manifest
+from telemetry.reader import TelemetryReader
+from telemetry.snapshot import SnapshotError, TimeWindow
+from telemetry.summary_md import build_summary_md
+
+_COMPRESSION = {"trace.json.gz": zipfile.ZIP_STORED}  # already gzip; the rest deflate well
+_HASH_CHUNK = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportResult:
+    path: Path
+    run_id: int
+    num_bytes: int
+    manifest: dict[str, Any]
+
+
+def _is_within(path: Path, root: Path) -> bool:
+    path, root = Path(os.path.realpath(path)), Path(os.path.realpath(root))
+    return path == root or root in path.parents
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while block := handle.read(_HASH_CHUNK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _check_paths(db_path: Path, out_path: Path, allowed_root: Path | None, overwrite: bool) -> None:
+    if allowed_root is not None:
+        for label, path in (("telemetry db", db_path), ("output", out_path)):
+            if not _is_within(path, allowed_root):
+                raise BundleError(f"{label} path {path} is outside the allowed directory {allowed_root}")
+    if out_path.exists() and not overwrite:
+        raise BundleError(f"output {out_path} already exists; pass overwrite=True (CLI: --force) to replace it")
+    if out_path.exists() and out_path.is_dir():
+        raise BundleError(f"output {out_path} is a directory")
+    if not out_path.parent.is_dir():
+        raise BundleError(f"output directory {out_path.parent} does not exist")
+
+
+def _write_workload(db_path: Path, dest: Path) -> int:
+    """``workload.jsonl`` from the snapshot's requests, by (arrival_tick, request_id)."""
+    conn = sqlite3.connect(f"file:{db_path.resolve()}?mode=ro", uri=True)
+    conn.row_factory = sqlite3.Row
+    num_rows = 0
+    try:
+        rows = conn.execute("SELECT request_id, arrival_tick, arrival_ns, t_ns, prompt_tokens, sampling, "
+                            "conversation_id FROM requests ORDER BY coalesce(arrival_tick, tick), request_id")
+        with dest.open("w", encoding="utf-8") as handle:
+            for r in rows:
+                sampling = json.loads(r["sampling"] or "{}")
+                arrival_ns = r["arrival_ns"] if r["arrival_ns"] is not None else r["t_ns"]
+                handle.write(json.dumps({
+                    "request_id": r["request_id"], "arrival_tick": r["arrival_tick"], "arrival_ns": arrival_ns,
+                    "arrival_s": arrival_ns / 1e9, "prompt_tokens": json.loads(r["prompt_tokens"] or "[]"),
+                    "sampling": sampling, "seed": sampling.get("seed"),
+                    "conversation_id": r["conversation_id"], "turn": None}, separators=(",", ":")) + "\n")
+                num_rows += 1
+    finally:
+        conn.close()
+    return num_rows
+
+
+def _resolve_run(db_path: Path, run_id: int | None) -> int:
+    if run_id is not None:
+        return run_id
+    latest = snapshot.latest_run_id(db_path)
+    if latest is None:
+        raise BundleError(f"telemetry store {db_path} has no runs yet")
+    return latest
+
+
+def export_bundle(db_path: str | os.PathLike, out_path: str | os.PathLike, *, run_id: int | None = None,
+                  since_s: float | None = None, until_s: float | None = None,
+                  allowed_root: str | os.PathLike | None = None, overwrite: bool = False,
+                  environ: dict[str, str] | None = None) -> ExportResult:
+    """Write the bundle of one run (default: the latest) of a live or finished store.
+
+    ``since_s`` / ``until_s`` keep only [since, until) seconds after the run
+    started. ``allowed_root`` (the dashboard passes the run directory) refuses
+    a db or output path outside it. Each member is built in a temp directory
+    and the zip is moved into place at the end, so a failure leaves no half file.
+    """
+    db_path, out_path = Path(db_path), Path(out_path)
+    _check_paths(db_path, out_path, None if allowed_root is None else Path(allowed_root), overwrite)
+    try:
+        window = TimeWindow.from_seconds(since_s, until_s)
+        run_id = _resolve_run(db_path, run_id)
+    except (ValueError, SnapshotError) as exc:
+        raise BundleError(str(exc)) from None
+    work = Path(tempfile.mkdtemp(prefix="chunkscope-export-"))
+    try:
+        members = {name: work / name for name in BUNDLE_MEMBERS}
+        try:
+            snapshot.take_snapshot(db_path, run_id, members["telemetry.db"], window)
+        except SnapshotError as exc:
+            raise BundleError(str(exc)) from None
+        manifest = _manifest(members, run_id, window, db_path.parent, environ)
+        _write_zip(members, manifest, out_path, work)
+        return ExportResult(out_path, run_id, out_path.stat().st_size, manifest)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _manifest(members: dict[str, Path], run_id: int, window: TimeWindow, run_dir: Path,
+              environ: dict[str, str] | None) -> dict[str, Any]:
+    db = members["telemetry.db"]
+    reader = TelemetryReader(db)
+    run = reader.get_run(run_id)
+    changes = reader.events_after("lever_changes", run_id, 0, limit=1_000_000)
+    _write_workload(db, members["workload.jsonl"])
+    perfetto.write_trace(db, members["trace.json.gz"], run_id)
+    with sqlite3.connect(f"file:{db.resolve()}?mode=ro", uri=True) as conn:
+        extent, counts = snapshot.data_extent(conn), snapshot.table_counts(conn)
+    common = dict(run=run, lever_changes=changes, extent=extent, since_ns=window.since_ns,
+                  until_ns=window.until_ns, counts=counts, run_dir=run_dir, bundle_format=BUNDLE_FORMAT,
+                  environ=environ)
+    draft = build_manifest(files={}, **common)
+    members["summary.md"].write_text(build_summary_md(db, run_id, draft), encoding="utf-8")
+    files = {name: {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+             for name, path in members.items() if name != "manifest.json"}
+    return {**draft, "files": files}
+
+
+def _write_zip(members: dict[str, Path], manifest: dict[str, Any], out_path: Path, work: Path) -> None:
+    members["manifest.json"].write_text(json.dumps(manifest, indent=2, default=str), encoding="utf-8")
+    partial = out_path.with_name(f".{out_path.name}.partial-{os.getpid()}")
+    try:
+        with zipfile.ZipFile(partial, "w", allowZip64=True) as zf:
+            for name in BUNDLE_MEMBERS:
+                zf.write(members[name], name, compress_type=_COMPRESSION.get(name, zipfile.ZIP_DEFLATED),
+                         compresslevel=6)
+        os.replace(partial, out_path)
+    finally:
+        partial.unlink(missing_ok=True)

@@ -1,0 +1,123 @@
+"""A consistent, pruned copy of one run taken from a live telemetry store.
+
+``VACUUM INTO`` on a read-only connection copies the database as of one read
+transaction, so the engine's writer keeps committing (WAL) while we copy and
+the copy never holds half a batch. The copy is then ours to prune: other
+runs' rows go, and with a time window the rows outside it; a final VACUUM
+returns the freed pages so the bundle stays small.
+"""
+from __future__ import annotations
+
+import os
+import sqlite3
+import urllib.parse
+from dataclasses import dataclass
+from pathlib import Path
+
+from telemetry import events as ev
+from telemetry import schema
+
+EVENT_TABLES = tuple(cls.TABLE for cls in ev.EVENT_TYPES if cls.TABLE != schema.REQUESTS_TABLE)
+
+
+class SnapshotError(RuntimeError):
+    """The source store cannot be snapshotted (missing, not SQLite, no such run)."""
+
+
+@dataclass(frozen=True)
+class TimeWindow:
+    """[since_ns, until_ns) in run-relative nanoseconds; None = open on that side."""
+
+    since_ns: int | None = None
+    until_ns: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("since_ns", "until_ns"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"time window {name} must be >= 0, got {value}")
+        if self.since_ns is not None and self.until_ns is not None and self.until_ns <= self.since_ns:
+            raise ValueError(f"time window is empty: until ({self.until_ns} ns) <= since ({self.since_ns} ns)")
+
+    @property
+    def is_windowed(self) -> bool:
+        return self.since_ns is not None or self.until_ns is not None
+
+    @classmethod
+    def from_seconds(cls, since_s: float | None, until_s: float | None) -> "TimeWindow":
+        to_ns = lambda s: None if s is None else int(round(s * 1e9))  # noqa: E731
+        return cls(to_ns(since_s), to_ns(until_s))
+
+
+def _read_only_uri(path: Path) -> str:
+    return "file:" + urllib.parse.quote(str(path.resolve())) + "?mode=ro"
+
+
+def latest_run_id(db_path: Path) -> int | None:
+    with _open_source(db_path) as conn:
+        return conn.execute("SELECT max(run_id) FROM runs").fetchone()[0]
+
+
+def _open_source(db_path: Path) -> sqlite3.Connection:
+    if not db_path.is_file():
+        raise SnapshotError(f"telemetry store {db_path} does not exist")
+    try:
+        conn = sqlite3.connect(_read_only_uri(db_path), uri=True, timeout=5.0, isolation_level=None)
+        conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        conn.execute("SELECT 1 FROM runs LIMIT 1").fetchone()
+    except sqlite3.Error as exc:
+        raise SnapshotError(f"telemetry store {db_path} cannot be read: {exc}") from None
+    return conn
+
+
+def take_snapshot(db_path: str | os.PathLike, run_id: int, dest: str | os.PathLike,
+                  window: TimeWindow = TimeWindow()) -> None:
+    """Write run ``run_id`` of the store at ``db_path`` (optionally windowed) to ``dest``."""
+    db_path, dest = Path(db_path), Path(dest)
+    if dest.exists():
+        raise SnapshotError(f"snapshot destination {dest} already exists")
+    source = _open_source(db_path)
+    try:
+        if source.execute("SELECT 1 FROM runs WHERE run_id = ?", [run_id]).fetchone() is None:
+            raise SnapshotError(f"no run {run_id} in {db_path}")
+        source.execute("VACUUM INTO ?", [str(dest)])
+    except sqlite3.Error as exc:
+        raise SnapshotError(f"cannot snapshot {db_path}: {exc}") from None
+    finally:
+        source.close()
+    _prune(dest, run_id, window)
+
+
+def _prune(path: Path, run_id: int, window: TimeWindow) -> None:
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        conn.execute("PRAGMA journal_mode=DELETE")  # a single self-contained file, no -wal beside it
+        conn.execute("BEGIN")
+        conn.execute("DELETE FROM runs WHERE run_id != ?", [run_id])
+        for table in (*EVENT_TABLES, schema.REQUESTS_TABLE):
+            conn.execute(f"DELETE FROM [{table}] WHERE run_id != ?", [run_id])
+        if window.is_windowed:
+            bounds = {"since": window.since_ns, "until": window.until_ns}
+            for table in EVENT_TABLES:
+                conn.execute(f"DELETE FROM [{table}] WHERE (:since IS NOT NULL AND t_ns < :since) "
+                             "OR (:until IS NOT NULL AND t_ns >= :until)", bounds)
+            # A request stays when its lifetime overlaps the window (arrival before the end,
+            # and not finished before the start), so every row above keeps its request.
+            conn.execute("DELETE FROM requests WHERE (:until IS NOT NULL AND coalesce(arrival_ns, t_ns) >= :until) "
+                         "OR (:since IS NOT NULL AND finished_ns IS NOT NULL AND finished_ns < :since)", bounds)
+        conn.execute("COMMIT")
+        conn.execute("VACUUM")
+    finally:
+        conn.close()
+
+
+def data_extent(conn: sqlite3.Connection) -> dict[str, int | None]:
+    """First / last ``t_ns`` and tick over every event table of a snapshot."""
+    parts = " UNION ALL ".join(f"SELECT min(t_ns) AS a, max(t_ns) AS b, min(tick) AS c, max(tick) AS d "
+                               f"FROM [{table}]" for table in EVENT_TABLES)
+    row = conn.execute(f"SELECT min(a), max(b), min(c), max(d) FROM ({parts})").fetchone()
+    return {"first_ns": row[0], "last_ns": row[1], "first_tick": row[2], "last_tick": row[3]}
+
+
+def table_counts(conn: sqlite3.Connection) -> dict[str, int]:
+    return {table: conn.execute(f"SELECT count(*) FROM [{table}]").fetchone()[0] for table in ev.TABLES}
