@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine import generate, serve
+from engine import generate, replay, serve
 
-COMMANDS = [generate, serve]
+COMMANDS = [generate, serve, replay]
 
 # Errors a user can cause with bad input: reported as one line, exit status 2.
 from engine.cache.kv import KVCacheExhausted  # noqa: E402

@@ -1,0 +1,199 @@
+"""``python -m engine replay BUNDLE.zip``: re-run a recorded workload and prove it reproduces.
+
+The replay rebuilds the engine with the run's config (KV blocks, SSM slots,
+seed, device, dtype) on the same checkpoint (its hash is checked), then
+drives the scheduler the way ``serve`` did, keyed by tick instead of wall
+time: before each tick's step it submits the requests recorded as arriving
+at that tick and applies the lever changes recorded at that tick. Idle spells
+cost no tick, so a request that arrived while the engine idled is submitted
+as soon as the replay idles. A run that was stopped (SIGTERM, crash) is cut
+after the same number of ticks. The result is compared decision by decision
+and token by token (``replay_compare``).
+
+``--flip NAME=VALUE`` overrides a lever for the whole replay (it wins over the
+recorded timeline) and runs every request to its end: the bisect workflow,
+where decisions are expected to differ and tokens, for a batch-invariant
+engine, are not.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections import deque
+from typing import Any
+
+import torch
+
+from engine.engine_setup import build_engine, checkpoint_dir_of, checkpoint_hash
+from engine.replay_compare import ReplayedRequest, ReplayedRun, compare, text_report
+from engine.replay_record import RecordedRun, ReplayInputError, load_recorded_run
+from telemetry import events as ev
+from telemetry.levers import LEVERS_BY_NAME, LeverValues, LeversError, defaults
+
+log = logging.getLogger("chunkscope.replay")
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("replay", help="re-run a recorded run and compare decisions and tokens")
+    p.add_argument("bundle", help="a bug-report bundle (.zip), or a telemetry.db / run directory")
+    p.add_argument("--run", type=int, default=None, help="run id inside a telemetry.db (default: latest)")
+    p.add_argument("--json", action="store_true", help="print the comparison as one JSON object")
+    p.add_argument("--flip", action="append", default=[], metavar="NAME=VALUE",
+                   help="override a lever for the whole replay (repeatable), e.g. bisect_no_mix=true")
+    p.add_argument("--model", default=None, help="'tiny' or a checkpoint directory (default: the run's model)")
+    p.add_argument("--ignore-checkpoint-hash", action="store_true",
+                   help="replay even when the checkpoint differs from the recorded one (warns)")
+    p.set_defaults(func=run)
+
+
+def parse_flips(items: list[str]) -> dict[str, Any]:
+    """``["bisect_no_mix=true", ...]`` -> {name: checked value}; a bad item raises LeversError."""
+    flips: dict[str, Any] = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        name = name.strip()
+        if not sep or not name:
+            raise LeversError(f"--flip {item!r}: expected NAME=VALUE, e.g. bisect_no_mix=true")
+        lever = LEVERS_BY_NAME.get(name)
+        if lever is None:
+            raise LeversError(f"--flip {item!r}: unknown lever {name!r} (known: {', '.join(LEVERS_BY_NAME)})")
+        flips[name] = lever.parse_text(text)
+    return flips
+
+
+def load_input(path: str, run_id: int | None = None) -> tuple[RecordedRun, Any]:
+    """A bundle zip (through ``telemetry.bundle``) or a telemetry store; returns (run, bundle or None)."""
+    if path.endswith(".zip"):
+        from telemetry.bundle import BundleError, open_bundle
+        if not os.path.isfile(path):
+            raise ReplayInputError(f"{path}: no such bundle")
+        try:
+            bundle = open_bundle(path)
+        except BundleError as exc:
+            raise ReplayInputError(str(exc)) from None
+        time_range = bundle.manifest.get("time_range") or {}
+        if time_range.get("is_windowed"):
+            raise ReplayInputError(f"{path}: a time-windowed bundle holds only part of the run; "
+                                   f"export the whole run to replay it")
+        return load_recorded_run(bundle.db_path, run_id), bundle
+    if os.path.isdir(path):
+        path = os.path.join(path, "telemetry.db")
+    if not os.path.exists(path):
+        raise ReplayInputError(f"{path}: no such bundle or telemetry store")
+    return load_recorded_run(path, run_id), None
+
+
+def resolve_model(recorded: RecordedRun, model: str | None, *, ignore_hash: bool) -> tuple[str, list[str]]:
+    """The model to load and any warnings; refuses a checkpoint whose hash differs from the run's."""
+    if model is None:
+        if recorded.model != "tiny":
+            raise ReplayInputError(f"run {recorded.run_id} used checkpoint {recorded.model!r}: "
+                                   f"pass --model DIR pointing at it")
+        model = "tiny"
+    directory = checkpoint_dir_of(model)
+    if not directory.is_dir():
+        raise ReplayInputError(f"--model {model}: no such checkpoint directory")
+    found = checkpoint_hash(directory)
+    if not recorded.checkpoint_hash or found == recorded.checkpoint_hash:
+        return model, [] if recorded.checkpoint_hash else ["the run recorded no checkpoint hash; weights unchecked"]
+    message = (f"checkpoint {directory} has hash {found[:12]}, the run used {recorded.checkpoint_hash[:12]}: "
+               f"tokens cannot be expected to match")
+    if not ignore_hash:
+        raise ReplayInputError(message + " (pass --ignore-checkpoint-hash to replay anyway)")
+    return model, ["warning: " + message]
+
+
+def _lever_values(values: dict[str, Any]) -> LeverValues:
+    known = {k: v for k, v in values.items() if k in LEVERS_BY_NAME}
+    return defaults().replace(**known)
+
+
+def replay_run(recorded: RecordedRun, *, model: str = "tiny", flips: dict[str, Any] | None = None,
+               device: str | None = None) -> ReplayedRun:
+    """Re-run ``recorded`` on ``model`` (checked by the caller) and collect what the engine did."""
+    flips = dict(flips or {})
+    config = recorded.config
+    device = device or config.get("device") or None
+    if device and device.startswith("cuda") and not torch.cuda.is_available():
+        device = "cpu"
+    dtype = getattr(torch, str(config.get("dtype", "float32")), torch.float32)
+    levers = _lever_values(recorded.start_levers).replace(**flips)
+    rows: dict[type, list] = {ev.ChunkDecision: [], ev.Tick: [], ev.TokenEvent: []}
+
+    def collect(event: Any) -> None:
+        bucket = rows.get(type(event))
+        if bucket is not None:
+            bucket.append(event)
+
+    torch.set_grad_enabled(False)
+    setup = build_engine(model, kv_blocks=config["kv_blocks"], ssm_slots=config["ssm_slots"],
+                         levers=levers, seed=int(config.get("seed", 0)), device=device, dtype=dtype)
+    sched = setup.scheduler
+    sched._emit = collect  # only the rows a comparison needs are kept
+    lever_log = drive(sched, recorded, flips, cut_at_tick=None if flips else recorded.num_ticks)
+    done = {r.request_id: ReplayedRequest(r.request_id, r.status, r.error, list(r.output_tokens))
+            for r in sched.done}
+    return ReplayedRun(rows[ev.ChunkDecision], rows[ev.Tick], rows[ev.TokenEvent], done, lever_log)
+
+
+def drive(sched, recorded: RecordedRun, flips: dict[str, Any], *, cut_at_tick: int | None) -> list[dict]:
+    """Submit arrivals and apply lever changes at their recorded ticks, stepping like ``serve``."""
+    pending = deque(recorded.requests)
+    changes = deque(recorded.lever_changes)
+    lever_log: list[dict] = []
+
+    def submit(record: ev.RequestRecord) -> None:
+        sched.submit(record.request_id, list(record.prompt_tokens), dict(record.sampling),
+                     conversation_id=record.conversation_id)
+
+    def arrivals_and_levers() -> None:
+        while pending and pending[0].arrival_tick <= sched.tick:
+            submit(pending.popleft())
+        due: dict[str, Any] = {}
+        while changes and changes[0].tick <= sched.tick:
+            change = changes.popleft()
+            due[change.name] = change.new
+        if due:
+            values = sched.levers.replace(**due).replace(**flips)  # a flip wins over the timeline
+            applied = sched.apply_levers(values, source="replay")
+            if applied:
+                lever_log.append({"tick": sched.tick, "changes": {k: v[1] for k, v in applied.items()}})
+
+    while cut_at_tick is None or sched.tick < cut_at_tick:
+        arrivals_and_levers()
+        if sched.has_work and sched.step():
+            continue
+        if not pending:
+            if not sched.has_work:
+                break
+            # Work that cannot run (e.g. a head request waiting for blocks nobody frees)
+            # and nothing left to arrive: serve would spin here until stopped.
+            break
+        # Idle: serve sleeps until the next arrival, and idle time costs no tick, so
+        # the next arrival was recorded at this tick (later only when a flip changed pace).
+        submit(pending.popleft())
+    arrivals_and_levers()  # arrivals and levers logged at the final tick, never stepped
+    sched.stop()
+    return lever_log
+
+
+def run(args: argparse.Namespace) -> int:
+    flips = parse_flips(args.flip)
+    recorded, _bundle = load_input(args.bundle, args.run)
+    model, warnings = resolve_model(recorded, args.model, ignore_hash=args.ignore_checkpoint_hash)
+    for warning in warnings:
+        print(warning, file=sys.stderr)
+    replayed = replay_run(recorded, model=model, flips=flips)
+    report = compare(recorded, replayed)
+    report["flips"] = flips
+    report["run_id"] = recorded.run_id
+    report["lever_changes_replayed"] = replayed.lever_log
+    report["notes"] = list(recorded.notes) + warnings
+    if args.json:
+        print(json.dumps(report, default=str))
+    else:
+        print(text_report(report, flips=flips, notes=report["notes"]))
+    return 0
