@@ -19,7 +19,7 @@ from typing import Any
 
 from telemetry import perfetto, snapshot
 from telemetry.bundle import BUNDLE_FORMAT, BUNDLE_MEMBERS, BundleError
-from telemetry.manifest import build_manifest
+from telemetry.manifest import build_manifest, sanitize_text
 from telemetry.reader import TelemetryReader
 from telemetry.snapshot import SnapshotError, TimeWindow
 from telemetry.summary_md import build_summary_md
@@ -119,11 +119,31 @@ def export_bundle(db_path: str | os.PathLike, out_path: str | os.PathLike, *, ru
             snapshot.take_snapshot(db_path, run_id, members["telemetry.db"], window)
         except SnapshotError as exc:
             raise BundleError(str(exc)) from None
+        _sanitize_run_row(members["telemetry.db"], run_id, db_path.parent)
         manifest = _manifest(members, run_id, window, db_path.parent, environ)
         _write_zip(members, manifest, out_path, work)
         return ExportResult(out_path, run_id, out_path.stat().st_size, manifest)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+_RUN_TEXT_COLUMNS = ("command_line", "config", "model_config", "workload", "levers", "versions", "model",
+                     "device", "writer_error")
+
+
+def _sanitize_run_row(db: Path, run_id: int, run_dir: Path) -> None:
+    """The snapshot's ``runs`` row obeys the manifest's path rule too; the host name goes."""
+    run_dir = Path(os.path.normpath(os.path.abspath(run_dir)))
+    conn = sqlite3.connect(db)
+    try:
+        conn.execute("PRAGMA secure_delete=ON")  # the old text must not linger in free pages
+        row = conn.execute(f"SELECT {', '.join(_RUN_TEXT_COLUMNS)} FROM runs WHERE run_id = ?", [run_id]).fetchone()
+        clean = [sanitize_text(v, run_dir) if isinstance(v, str) else v for v in row]
+        conn.execute(f"UPDATE runs SET {', '.join(f'{c} = ?' for c in _RUN_TEXT_COLUMNS)}, hostname = NULL "
+                     "WHERE run_id = ?", [*clean, run_id])
+        conn.commit()
+    finally:
+        conn.close()
 
 
 def _manifest(members: dict[str, Path], run_id: int, window: TimeWindow, run_dir: Path,
@@ -140,7 +160,8 @@ def _manifest(members: dict[str, Path], run_id: int, window: TimeWindow, run_dir
                   until_ns=window.until_ns, counts=counts, run_dir=run_dir, bundle_format=BUNDLE_FORMAT,
                   environ=environ)
     draft = build_manifest(files={}, **common)
-    members["summary.md"].write_text(build_summary_md(db, run_id, draft), encoding="utf-8")
+    summary = sanitize_text(build_summary_md(db, run_id, draft), Path(os.path.normpath(os.path.abspath(run_dir))))
+    members["summary.md"].write_text(summary, encoding="utf-8")
     files = {name: {"bytes": path.stat().st_size, "sha256": _sha256(path)}
              for name, path in members.items() if name != "manifest.json"}
     return {**draft, "files": files}

@@ -24,8 +24,9 @@ ENV_ALLOW_LIST = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES", 
 ENV_ALLOW_PREFIXES = ("CHUNKSCOPE_",)
 EXPORTER_PACKAGES = ("torch", "streamlit", "plotly", "watchdog", "sqlite-utils")
 
-# An absolute POSIX path (not the tail of a URL or of a relative path), or a Windows drive path.
-_ABS_PATH = re.compile(r"(?<![\w.:/~-])(?:/[^\s'\"`,;=()\[\]{}]+|[A-Za-z]:\\[^\s'\"`,;=()\[\]{}]+)")
+# An absolute POSIX path (not the tail of a relative path), or a Windows drive path. A path
+# after ``:`` (``trace:/data/x.csv``) counts; a URL's ``//host/p`` becomes ``p``, which is fine.
+_ABS_PATH = re.compile(r"(?<![\w.~/-])(?:/[^\s'\"`,;=()\[\]{}]+|[A-Za-z]:\\[^\s'\"`,;=()\[\]{}]+)")
 _HOME_PATH = re.compile(r"(?<![\w./-])~/[^\s'\"`,;=()\[\]{}]*")
 
 
