@@ -13,7 +13,7 @@ from typing import Any
 
 from engine.cache.ssm_pool import SSMPoolExhausted
 from engine.model.runner import ModelRunner
-from engine.scheduler import decode_step, prefill_step
+from engine.scheduler import decode_step, prefill_step, prefix_step
 from engine.scheduler.admission import RequestRejected, check_prompt, parse_sampling
 from engine.scheduler.request import Request
 from engine.streams import StreamSet
@@ -27,7 +27,8 @@ class Scheduler:
     """State of the running engine: waiting queue, one prefilling request, the decoding batch."""
 
     def __init__(self, runner: ModelRunner, levers: LeverValues, *, emit: Emit | None = None,
-                 run_seed: int = 0, clock_ns: Callable[[], int] = time.monotonic_ns) -> None:
+                 run_seed: int = 0, clock_ns: Callable[[], int] = time.monotonic_ns,
+                 prefix_cache: bool = False) -> None:
         self.runner = runner
         self.levers = levers
         self._emit = emit
@@ -46,6 +47,7 @@ class Scheduler:
         self.max_context = getattr(runner.config, "max_position_embeddings", 32768)
         self.streams = StreamSet(runner.device, self._on_stream_event)
         self.runner.block_manager.set_cap(levers.kv_blocks_cap or None)
+        self.prefix = prefix_step.PrefixStep(self) if prefix_cache else None
 
     # ---- telemetry --------------------------------------------------------------------
     def now_ns(self) -> int:
@@ -133,6 +135,7 @@ class Scheduler:
         except SSMPoolExhausted:  # raced by nothing today, but never lose the request
             self.waiting.appendleft(head)
             return
+        prefix_step.on_admit(self, head)
         head.status = ev.REQ_PREFILLING
         head.admitted_ns, head.admitted_tick = self.now_ns(), self.tick
         self.prefilling = head

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.cache.kv import KVCacheExhausted
-from engine.scheduler import decode_step
+from engine.scheduler import decode_step, prefix_step
 from engine.scheduler.chunk_plan import ChunkPlan, plan_chunk
 from engine.scheduler.first_token import FirstTokenPolicy, sample_first_token
 from engine.scheduler.mixing import MixVerdict, can_mix, plan_draft_drop
@@ -52,7 +52,7 @@ def run(sched: Scheduler) -> tuple[str, int, int]:
         slice_budget=sched.levers.slice_budget if sched.levers.always_mixed else None,
         ssm_tail_boundary=chunk.ssm_tail_boundary, can_mix=verdict.can_mix,
         mix_blocker=verdict.blocker, decode_width=len(sched.active))
-    if req.chunk_offset == 0:
+    if req.chunk_offset == req.prefix_hit_tokens:  # the first computed chunk (after any cached prefix)
         sched.emit_request(req, "prefill_start")
     num_decode = 0
     if verdict.can_mix:
@@ -81,7 +81,8 @@ def _run_mixed(sched: Scheduler, req: Request, chunk: ChunkPlan, row: ev.ChunkDe
         with sched.streams.use(STREAM_PREFILL):
             prefill_logits, decode_logits = sched.runner.mixed_forward(
                 [a.seq for a in decodes], [a.last_token for a in decodes], req.seq,
-                req.prompt_tokens, req.chunk_offset, chunk.length, chunk.is_last)
+                req.prompt_tokens, req.chunk_offset, chunk.length, chunk.is_last,
+                prefix_step.capture_point(sched, req, req.chunk_offset, chunk.length))
     except KVCacheExhausted as exc:
         # The fused forward could not get blocks for chunk + decodes together; the plain
         # path below preempts as the reference does, and the row says why it fell back.
@@ -91,6 +92,7 @@ def _run_mixed(sched: Scheduler, req: Request, chunk: ChunkPlan, row: ev.ChunkDe
         return 0
     row.path = ev.PATH_MIXED
     req.chunk_offset += chunk.length
+    prefix_step.on_chunk_done(sched, req, chunk)
     if chunk.is_last:
         _first_token(sched, req, prefill_logits)
     sched.streams.record(EVENT_PREFILL_DONE, STREAM_PREFILL)
@@ -105,8 +107,9 @@ def _run_plain(sched: Scheduler, req: Request, chunk: ChunkPlan, row: ev.ChunkDe
     while True:
         try:
             with sched.streams.use(STREAM_PREFILL):
-                logits = sched.runner.prefill_chunk(req.seq, req.prompt_tokens, req.chunk_offset,
-                                                    chunk.length, chunk.is_last)
+                logits = sched.runner.prefill_chunk(
+                    req.seq, req.prompt_tokens, req.chunk_offset, chunk.length, chunk.is_last,
+                    prefix_step.capture_point(sched, req, req.chunk_offset, chunk.length))
             break
         except KVCacheExhausted as exc:
             victim = decode_step.choose_victim(sched)
@@ -121,6 +124,7 @@ def _run_plain(sched: Scheduler, req: Request, chunk: ChunkPlan, row: ev.ChunkDe
         row.outcome = "ok"
     req.chunk_offset += chunk.length
     _normalize(sched, req)
+    prefix_step.on_chunk_done(sched, req, chunk)
     if chunk.is_last:
         sched.streams.record(EVENT_PREFILL_DONE, STREAM_PREFILL)
         sched.streams.wait(STREAM_DEFAULT, EVENT_PREFILL_DONE)
