@@ -1,0 +1,37 @@
+"""kill -9 of a serving engine: the store stays sound, flushed rows stay, the next start says 'crashed'."""
+from __future__ import annotations
+
+import time
+
+from reliability_helpers import query
+
+FLUSH_INTERVAL_S = 0.05     # TelemetryWriter default: at most this much is in flight
+
+
+def test_kill_9_mid_run_keeps_flushed_batches_and_next_start_marks_crashed(start_engine, tmp_path):
+    engine = start_engine("--rate", "20", "--kv-blocks", "64")
+    engine.wait_tick(20)
+    # A heartbeat taken well over one flush interval before the kill: everything it
+    # counts was emitted before that interval began, so the writer had committed it.
+    snapshot = engine.wait_status(lambda s: s["flushed_events"] > 0 and s["tick"] >= 20)
+    time.sleep(max(0.3, 6 * FLUSH_INTERVAL_S))
+    engine.kill9()
+
+    db = engine.run_dir / "telemetry.db"
+    assert query(db, "PRAGMA integrity_check") == [("ok",)]
+    (count, distinct, low, high), = query(db, "SELECT count(*), count(DISTINCT tick), min(tick), max(tick) "
+                                              "FROM ticks WHERE run_id = 1")
+    assert count == distinct == high + 1 and low == 0, "ticks must be gapless from 0: no batch lost in the middle"
+    assert count >= snapshot["tick"], f"ticks up to the heartbeat ({snapshot['tick']}) must all be stored"
+    (num_events, status), = query(db, "SELECT num_events, status FROM runs WHERE run_id = 1")
+    assert num_events >= snapshot["flushed_events"]
+    assert status == "running"                        # nobody could close it
+    assert query(db, "SELECT count(*) FROM chunks WHERE run_id = 1")[0][0] > 0
+
+    again = start_engine("--requests", "1", "--rate", "50", run_dir=engine.run_dir,
+                         log_path=tmp_path / "second.stderr")
+    assert again.proc.wait(timeout=120) == 0, again.output()[-2000:]
+    again.close()
+    assert "marked runs [1] as crashed" in again.output()
+    assert query(db, "SELECT run_id, status FROM runs ORDER BY run_id") == [(1, "crashed"), (2, "finished")]
+    assert query(db, "PRAGMA integrity_check") == [("ok",)]
