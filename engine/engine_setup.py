@@ -52,7 +52,7 @@ def checkpoint_dir_of(name_or_dir: str) -> Path:
 
 def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: LeverValues,
                  seed: int = 0, device: str | None = None, dtype: torch.dtype = torch.float32,
-                 emit=None) -> EngineSetup:
+                 emit=None, prefix_cache: bool = True) -> EngineSetup:
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if kv_blocks < 1 or ssm_slots < 1:
         raise ValueError(f"--kv-blocks and --ssm-slots must be >= 1, got {kv_blocks} and {ssm_slots}")
@@ -60,9 +60,10 @@ def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: Lev
     model, config, tokenizer = load_model(directory, dtype=dtype, device=device)
     runner = ModelRunner(model, num_kv_blocks=kv_blocks, num_ssm_slots=ssm_slots,
                          block_size=BLOCK_SIZE, device=device, dtype=dtype)
-    scheduler = Scheduler(runner, levers, emit=emit, run_seed=seed)
+    scheduler = Scheduler(runner, levers, emit=emit, run_seed=seed, prefix_cache=prefix_cache)
     engine_config = {"kv_blocks": kv_blocks, "block_size": BLOCK_SIZE, "ssm_slots": ssm_slots,
-                     "device": device, "dtype": str(dtype).removeprefix("torch."), "seed": seed}
+                     "device": device, "dtype": str(dtype).removeprefix("torch."), "seed": seed,
+                     "prefix_cache": prefix_cache}
     return EngineSetup(model_name, directory, model, config, tokenizer, runner, scheduler, engine_config)
 
 
