@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 import signal
+import sqlite3
 import sys
 import time
 from pathlib import Path
@@ -21,7 +22,8 @@ from engine.lever_watch import LeverWatcher
 from engine.workload.request import RequestSpec
 from engine.workload_feed import WorkloadFeed
 from telemetry.levers import LEVERS_BY_NAME, defaults, from_env
-from telemetry.writer import TelemetryWriter, mark_crashed_runs
+from telemetry.engine_status import StatusReporter
+from telemetry.writer import TelemetryWriteError, TelemetryWriter, mark_crashed_runs
 from telemetry import events as ev
 
 log = logging.getLogger("chunkscope.serve")
@@ -59,15 +61,11 @@ def run(args: argparse.Namespace) -> int:
     setup = build_engine(args.model, kv_blocks=args.kv_blocks, ssm_slots=args.ssm_slots,
                          levers=base_levers, seed=args.seed, prefix_cache=args.prefix_cache)
     feed = WorkloadFeed.from_args(args, setup)
-    writer = None
+    writer, telemetry_error = None, None
     if not args.no_telemetry:
-        crashed = mark_crashed_runs(db_path)
-        if crashed:
-            log.warning("marked runs %s as crashed (left running by a dead engine)", crashed)
-        writer = TelemetryWriter(db_path)
-        writer.start_run(run_started_row(setup, args, feed.describe(), sys.argv))
-        setup.scheduler._emit = writer.emit
+        writer, telemetry_error = _open_telemetry(db_path, setup, args, feed)
     sched = setup.scheduler
+    status_file = StatusReporter(run_dir)
     _log_env_levers(sched, base_levers)
     watcher = LeverWatcher(run_dir / "levers.json", base_levers)
     stop = _install_stop_handlers()
@@ -83,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
                 _submit(sched, spec)
             _poll_levers(sched, watcher)
             _report_writer_health(sched, writer)
+            status_file.maybe_write(_status_fields(sched, writer, telemetry_error, "serving"))
             if sched.has_work:
                 sched.step()
             elif feed.is_exhausted:
@@ -98,8 +97,50 @@ def run(args: argparse.Namespace) -> int:
         sched.stop()
         if writer is not None:
             writer.close(status)
+        status_file.maybe_write(_status_fields(sched, writer, telemetry_error, status), force=True)
         log.info("run %s after %d ticks", status, sched.tick)
     return 0
+
+
+def _open_telemetry(db_path: Path, setup: EngineSetup, args, feed) -> tuple[TelemetryWriter | None, str | None]:
+    """The writer for a new run, or (None, why) when the store cannot be used at all.
+
+    A read-only or full disk must not stop the engine: it serves without
+    telemetry, says so loudly in the log, and the status file carries the error.
+    """
+    try:
+        crashed = mark_crashed_runs(db_path)
+        if crashed:
+            log.warning("marked runs %s as crashed (left running by a dead engine)", crashed)
+        writer = TelemetryWriter(db_path)
+    except (sqlite3.Error, OSError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    else:
+        try:
+            writer.start_run(run_started_row(setup, args, feed.describe(), sys.argv))
+            setup.scheduler._emit = writer.emit
+            return writer, None
+        except TelemetryWriteError as exc:
+            writer.close("error", timeout_s=1.0)
+            error = str(exc)
+    log.error("telemetry disabled, engine keeps serving without it: cannot use %s: %s", db_path, error)
+    return None, error
+
+
+def _status_fields(sched, writer, telemetry_error: str | None, state: str) -> dict:
+    """What the heartbeat file says: progress, queue sizes and telemetry health."""
+    return {
+        "state": state, "run_id": writer.run_id if writer is not None else None, "tick": sched.tick,
+        "num_waiting": len(sched.waiting), "num_active": len(sched.active),
+        "num_prefilling": int(sched.prefilling is not None), "num_done": len(sched.done),
+        "num_preemptions": sched.num_preemptions,
+        "telemetry": "off" if writer is None and telemetry_error is None else
+                     "failing" if (writer.error if writer is not None else telemetry_error) else "ok",
+        "telemetry_error": writer.error if writer is not None else telemetry_error,
+        "num_dropped": writer.num_dropped if writer is not None else 0,
+        "flushed_events": writer.flushed_events if writer is not None else 0,
+        "writer_wait_ns": writer.writer_wait_ns if writer is not None else 0,
+    }
 
 
 def _submit(sched, spec: RequestSpec) -> None:
