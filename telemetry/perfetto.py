@@ -85,39 +85,39 @@ def _rows(conn: sqlite3.Connection, sql: str, params: Any = ()) -> Iterator[sqli
     return conn.execute(sql, params)
 
 
-def _tick_slices(conn: sqlite3.Connection) -> Iterator[tuple[int, int, dict[str, Any]]]:
-    for r in _rows(conn, "SELECT * FROM ticks ORDER BY t_ns, id"):
+def _tick_slices(conn: sqlite3.Connection, run_id: int) -> Iterator[tuple[int, int, dict[str, Any]]]:
+    for r in _rows(conn, "SELECT * FROM ticks WHERE run_id = ? ORDER BY t_ns, id", [run_id]):
         yield r["t_ns"], r["duration_ns"], {"name": r["path"], "cat": "tick", "args": {
             "tick": r["tick"], "prefill_tokens": r["num_prefill_tokens"], "decode_tokens": r["num_decode_tokens"],
             "active": r["num_active"], "waiting": r["num_waiting"], "kv_blocks_used": r["kv_blocks_used"]}}
 
 
-def _chunk_slices(conn: sqlite3.Connection) -> Iterator[tuple[int, int, dict[str, Any]]]:
-    for r in _rows(conn, "SELECT * FROM chunks ORDER BY t_ns, id"):
+def _chunk_slices(conn: sqlite3.Connection, run_id: int) -> Iterator[tuple[int, int, dict[str, Any]]]:
+    for r in _rows(conn, "SELECT * FROM chunks WHERE run_id = ? ORDER BY t_ns, id", [run_id]):
         yield r["t_ns"], r["duration_ns"], {"name": f"{r['path']} chunk r{r['request_id']}", "cat": "forward",
                                             "args": {k: r[k] for k in (
                                                 "tick", "request_id", "offset", "length", "prompt_len", "is_last",
                                                 "cap_rule", "can_mix", "mix_blocker", "decode_width", "outcome")}}
 
 
-def _decode_slices(conn: sqlite3.Connection) -> Iterator[tuple[int, int, dict[str, Any]]]:
-    for r in _rows(conn, "SELECT * FROM ticks WHERE path = 'decode' ORDER BY t_ns, id"):
+def _decode_slices(conn: sqlite3.Connection, run_id: int) -> Iterator[tuple[int, int, dict[str, Any]]]:
+    for r in _rows(conn, "SELECT * FROM ticks WHERE run_id = ? AND path = 'decode' ORDER BY t_ns, id", [run_id]):
         yield r["t_ns"], r["duration_ns"], {"name": f"decode x{r['num_decode_tokens']}", "cat": "forward",
                                             "args": {"tick": r["tick"], "width": r["num_decode_tokens"]}}
 
 
 _STREAM_SQL = """
 SELECT s.*,
-  CASE WHEN s.kind = 'record' THEN EXISTS(SELECT 1 FROM stream_events w WHERE w.kind = 'wait'
+  CASE WHEN s.kind = 'record' THEN EXISTS(SELECT 1 FROM stream_events w WHERE w.run_id = :run AND w.kind = 'wait'
        AND w.seq = s.seq AND w.event_name = s.event_name) END AS has_wait,
-  CASE WHEN s.kind = 'wait' THEN EXISTS(SELECT 1 FROM stream_events r WHERE r.kind = 'record'
+  CASE WHEN s.kind = 'wait' THEN EXISTS(SELECT 1 FROM stream_events r WHERE r.run_id = :run AND r.kind = 'record'
        AND r.seq = s.seq AND r.event_name = s.event_name) END AS has_record
-FROM stream_events s ORDER BY s.t_ns, s.id
+FROM stream_events s WHERE s.run_id = :run ORDER BY s.t_ns, s.id
 """
 
 
-def _stream_events(out: _TraceWriter, conn: sqlite3.Connection) -> None:
-    for r in _rows(conn, _STREAM_SQL):
+def _stream_events(out: _TraceWriter, conn: sqlite3.Connection, run_id: int) -> None:
+    for r in _rows(conn, _STREAM_SQL, {"run": run_id}):
         track = (r["target_stream"] or r["stream"]) if r["kind"] == "wait" else r["stream"]
         event = {"ph": "X", "pid": PID, "tid": TRACKS.get(track, TRACKS["default"]), "ts": _us(r["t_ns"]),
                  "dur": 0, "name": f"{r['kind']} {r['event_name']} #{r['seq']}", "cat": "stream",
@@ -143,8 +143,8 @@ def _request_phases(r: sqlite3.Row, end_of_data_ns: int) -> tuple[int, int, list
     return start, end, [(n, a, b) for n, a, b in zip(names, marks, marks[1:]) if b > a]
 
 
-def _requests(out: _TraceWriter, conn: sqlite3.Connection, end_of_data_ns: int) -> None:
-    for r in _rows(conn, "SELECT * FROM requests ORDER BY coalesce(arrival_ns, t_ns), request_id"):
+def _requests(out: _TraceWriter, conn: sqlite3.Connection, run_id: int, end_of_data_ns: int) -> None:
+    for r in _rows(conn, "SELECT * FROM requests WHERE run_id = ? ORDER BY coalesce(arrival_ns, t_ns), request_id", [run_id]):
         start, end, phases = _request_phases(r, end_of_data_ns)
         common = {"pid": PID, "tid": TRACKS["scheduler"], "cat": "request", "id": str(r["request_id"])}
         out.emit({"ph": "b", "ts": _us(start), "name": f"request {r['request_id']}", **common,
@@ -157,8 +157,8 @@ def _requests(out: _TraceWriter, conn: sqlite3.Connection, end_of_data_ns: int) 
         out.emit({"ph": "e", "ts": _us(end), "name": f"request {r['request_id']}", **common})
 
 
-def _counters(out: _TraceWriter, conn: sqlite3.Connection) -> None:
-    for r in _rows(conn, "SELECT * FROM ticks ORDER BY t_ns, id"):
+def _counters(out: _TraceWriter, conn: sqlite3.Connection, run_id: int) -> None:
+    for r in _rows(conn, "SELECT * FROM ticks WHERE run_id = ? ORDER BY t_ns, id", [run_id]):
         ts = _us(r["t_ns"])
         out.emit({"ph": "C", "pid": PID, "ts": ts, "name": "requests",
                   "args": {"waiting": r["num_waiting"], "prefilling": r["num_prefilling"], "active": r["num_active"]}})
@@ -166,13 +166,13 @@ def _counters(out: _TraceWriter, conn: sqlite3.Connection) -> None:
                   "args": {"used": r["kv_blocks_used"], "total": r["kv_blocks_total"]}})
 
 
-def _instants(out: _TraceWriter, conn: sqlite3.Connection) -> None:
-    for r in _rows(conn, "SELECT * FROM preemptions ORDER BY t_ns, id"):
+def _instants(out: _TraceWriter, conn: sqlite3.Connection, run_id: int) -> None:
+    for r in _rows(conn, "SELECT * FROM preemptions WHERE run_id = ? ORDER BY t_ns, id", [run_id]):
         out.emit({"ph": "i", "s": "t", "pid": PID, "tid": TRACKS["scheduler"], "ts": _us(r["t_ns"]),
                   "name": f"preempt r{r['victim_request_id']}", "cat": "preemption",
                   "args": {k: r[k] for k in ("tick", "victim_request_id", "blocks_freed", "reason", "policy",
                                              "prefill_request_id", "num_remaining")}})
-    for r in _rows(conn, "SELECT * FROM lever_changes ORDER BY t_ns, id"):
+    for r in _rows(conn, "SELECT * FROM lever_changes WHERE run_id = ? ORDER BY t_ns, id", [run_id]):
         out.emit({"ph": "i", "s": "p", "pid": PID, "tid": TRACKS["scheduler"], "ts": _us(r["t_ns"]),
                   "name": f"lever {r['name']} {r['status']}", "cat": "lever",
                   "args": {k: r[k] for k in ("tick", "name", "old", "new", "source", "status", "reason")}})
@@ -183,22 +183,23 @@ def write_trace(db_path: str | Path, out_path: str | Path, run_id: int) -> int:
     conn = sqlite3.connect(f"file:{Path(db_path).resolve()}?mode=ro", uri=True)
     conn.row_factory = sqlite3.Row
     try:
-        end_of_data = conn.execute("SELECT max(t) FROM (SELECT max(t_ns + duration_ns) AS t FROM ticks "
-                                   "UNION ALL SELECT max(t_ns) FROM tokens "
-                                   "UNION ALL SELECT max(t_ns) FROM requests)").fetchone()[0] or 0
+        end_of_data = conn.execute("SELECT max(t) FROM (SELECT max(t_ns + duration_ns) AS t FROM ticks WHERE "
+                                   "run_id = :run UNION ALL SELECT max(t_ns) FROM tokens WHERE run_id = :run "
+                                   "UNION ALL SELECT max(t_ns) FROM requests WHERE run_id = :run)",
+                                   {"run": run_id}).fetchone()[0] or 0
         with gzip.open(out_path, "wt", encoding="utf-8", compresslevel=6) as handle:
             out = _TraceWriter(handle)
             out.emit({"ph": "M", "pid": PID, "name": "process_name", "args": {"name": f"chunkscope run {run_id}"}})
             for name, tid in TRACKS.items():
                 out.emit({"ph": "M", "pid": PID, "tid": tid, "name": "thread_name", "args": {"name": name}})
                 out.emit({"ph": "M", "pid": PID, "tid": tid, "name": "thread_sort_index", "args": {"sort_index": tid}})
-            _emit_slices(out, "scheduler", _tick_slices(conn))
-            _emit_slices(out, "prefill", _chunk_slices(conn))
-            _emit_slices(out, "default", _decode_slices(conn))
-            _stream_events(out, conn)
-            _requests(out, conn, end_of_data)
-            _counters(out, conn)
-            _instants(out, conn)
+            _emit_slices(out, "scheduler", _tick_slices(conn, run_id))
+            _emit_slices(out, "prefill", _chunk_slices(conn, run_id))
+            _emit_slices(out, "default", _decode_slices(conn, run_id))
+            _stream_events(out, conn, run_id)
+            _requests(out, conn, run_id, end_of_data)
+            _counters(out, conn, run_id)
+            _instants(out, conn, run_id)
             out.close({"run_id": run_id, "source": "chunkscope telemetry"})
         return out.num_events
     finally:
