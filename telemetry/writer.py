@@ -85,6 +85,7 @@ class TelemetryWriter:
         self._wake = threading.Event()
         self._db: sqlite_utils.Database | None = None
         self._retry: list[Any] = []            # batch that failed, retried first
+        self._last_checkpoint = time.monotonic()
         self._thread = threading.Thread(target=self._loop, name="telemetry-writer", daemon=True)
         self._thread.start()
 
@@ -161,7 +162,6 @@ class TelemetryWriter:
     # ---- writer thread ----------------------------------------------------
     def _loop(self) -> None:
         backoff_s = 0.05
-        last_checkpoint = time.monotonic()
         while not self._is_abandoned:
             self._wake.wait(self._flush_interval_s)
             self._wake.clear()
@@ -181,9 +181,7 @@ class TelemetryWriter:
                 continue
             if is_closing:
                 return
-            if time.monotonic() - last_checkpoint >= self._checkpoint_interval_s:
-                self._checkpoint()
-                last_checkpoint = time.monotonic()
+            self._maybe_checkpoint()
 
     def _record_failure(self, exc: BaseException) -> None:
         self.error = f"{type(exc).__name__}: {exc}"
@@ -206,6 +204,8 @@ class TelemetryWriter:
             db = sqlite_utils.Database(conn)
             try:
                 schema.configure_connection(db, busy_timeout_ms=self._busy_timeout_ms)
+                # After a WAL reset SQLite truncates the file back to this size.
+                db.execute(f"PRAGMA journal_size_limit={int(self._wal_limit_bytes)}")
                 schema.ensure_schema(db)
             except BaseException:
                 conn.close()
@@ -233,6 +233,7 @@ class TelemetryWriter:
                 self.flushed_events += len(events)
                 self._retry = [command] if command is not None else []
             if command is None:
+                self._maybe_checkpoint()  # a producer that never lets the queue empty must not starve it
                 continue
             if command.kind == "close":
                 self._finish(db, command.payload)
@@ -289,6 +290,11 @@ class TelemetryWriter:
         self._checkpoint(mode="TRUNCATE")
         db.close()
         self._db = None
+
+    def _maybe_checkpoint(self) -> None:
+        if time.monotonic() - self._last_checkpoint >= self._checkpoint_interval_s:
+            self._checkpoint()
+            self._last_checkpoint = time.monotonic()
 
     def _checkpoint(self, mode: str | None = None) -> None:
         """PASSIVE normally; TRUNCATE once the -wal grows past wal_limit_bytes (readers poll meanwhile)."""
