@@ -66,6 +66,8 @@ case "$cmd" in
   test)
     shift
     setup
+    # One thread per test process: the suite shares 2 cores with engine/dashboard subprocesses.
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
     exec "$VENV/bin/python" -m pytest "$@"
     ;;
   start) setup; start ;;

@@ -52,8 +52,13 @@ def checkpoint_dir_of(name_or_dir: str) -> Path:
 
 def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: LeverValues,
                  seed: int = 0, device: str | None = None, dtype: torch.dtype = torch.float32,
-                 emit=None, prefix_cache: bool = True) -> EngineSetup:
+                 emit=None, prefix_cache: bool = True, threads: int | None = None) -> EngineSetup:
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    # Tiny ops gain nothing from a thread team, and on a shared, busy machine its
+    # spin-waits cost 10x: the tiny model runs single-threaded unless told otherwise.
+    threads = threads or (1 if model_name == "tiny" else None)
+    if threads:
+        torch.set_num_threads(threads)
     if kv_blocks < 1 or ssm_slots < 1:
         raise ValueError(f"--kv-blocks and --ssm-slots must be >= 1, got {kv_blocks} and {ssm_slots}")
     directory = checkpoint_dir_of(model_name)
@@ -63,7 +68,7 @@ def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: Lev
     scheduler = Scheduler(runner, levers, emit=emit, run_seed=seed, prefix_cache=prefix_cache)
     engine_config = {"kv_blocks": kv_blocks, "block_size": BLOCK_SIZE, "ssm_slots": ssm_slots,
                      "device": device, "dtype": str(dtype).removeprefix("torch."), "seed": seed,
-                     "prefix_cache": prefix_cache}
+                     "prefix_cache": prefix_cache, "threads": torch.get_num_threads()}
     return EngineSetup(model_name, directory, model, config, tokenizer, runner, scheduler, engine_config)
 
 

@@ -42,6 +42,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--kv-blocks", type=int, default=512, help="physical KV blocks (16 tokens each)")
     p.add_argument("--ssm-slots", type=int, default=32, help="SSM state slots = most sequences at once")
     p.add_argument("--seed", type=int, default=0, help="workload and sampling seed")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: 1 for the tiny model, whose ops are too small to split)")
     p.add_argument("--time-scale", type=float, default=1.0, help="trace: multiply inter-arrival gaps")
     p.add_argument("--length-scale", type=float, default=1.0, help="trace: multiply prompt/output lengths")
     p.add_argument("--limit", type=int, default=None, help="trace: number of rows to replay")
@@ -59,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
     db_path = run_dir / "telemetry.db"
     base_levers = from_env(os.environ)
     setup = build_engine(args.model, kv_blocks=args.kv_blocks, ssm_slots=args.ssm_slots,
-                         levers=base_levers, seed=args.seed, prefix_cache=args.prefix_cache)
+                         levers=base_levers, seed=args.seed, prefix_cache=args.prefix_cache,
+                         threads=args.threads)
     feed = WorkloadFeed.from_args(args, setup)
     writer, telemetry_error = None, None
     if not args.no_telemetry:
