@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import stat
 import threading
 import time
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
-from telemetry.levers import LeverValues, read_levers_file
+from telemetry.levers import LeverValues, LeversReadResult, read_levers_file
 
 log = logging.getLogger("chunkscope.levers")
 
@@ -99,9 +100,9 @@ class LeverWatcher:
         if not (self._dirty.is_set() or self._stat_changed()):
             return None
         self._dirty.clear()
-        if not os.path.exists(self.path):
+        result = _read_regular_file(self.path, self.base)
+        if result is None:
             return None                      # deleted: keep the last good values
-        result = read_levers_file(self.path, self.base)
         if result.error is not None:
             digest = _digest(self.path)
             if digest == self._last_rejected_digest:
@@ -117,8 +118,25 @@ class LeverWatcher:
         return LeverUpdate(result.values, changes, result.version, None)
 
 
+def _read_regular_file(path: str, base: LeverValues) -> LeversReadResult | None:
+    """Read the file only if it is a regular file (opening a FIFO would block the loop); None if absent."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return LeversReadResult(base, None, {}, f"{path}: cannot read: {exc.strerror or exc}")
+    if not stat.S_ISREG(mode):
+        return LeversReadResult(base, None, {}, f"{path}: not a regular file (a directory, FIFO or device)")
+    result = read_levers_file(path, base)
+    return None if result.version is None and result.error is None else result  # removed meanwhile
+
+
 def _digest(path: str) -> str:
     try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):  # never open a FIFO: it would block
+            return f"special:{st.st_mode}:{st.st_ino}"
         with open(path, "rb") as handle:
             return hashlib.sha256(handle.read(1 << 17)).hexdigest()
     except OSError as exc:
