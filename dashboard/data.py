@@ -58,6 +58,11 @@ def latency_percentiles(db: str, run_id: int, version: Version) -> pd.DataFrame:
 
 
 @st.cache_data(max_entries=_ENTRIES, show_spinner=False)
+def chunk_scope(db: str, run_id: int, version: Version) -> tuple[int | None, int]:
+    return queries_chunks.scope_start(Path(db), run_id)
+
+
+@st.cache_data(max_entries=_ENTRIES, show_spinner=False)
 def chunk_view(db: str, run_id: int, version: Version, flt: ChunkFilter, limit: int):
     """(matching count, newest rows, length histogram, mix share) for one filter."""
     path = Path(db)

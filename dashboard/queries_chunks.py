@@ -23,6 +23,7 @@ TABLE_COLUMNS = ("tick", "request_id", "offset", "length", "prompt_len", "is_las
                  "max_prefill_tokens", "slice_budget", "ssm_tail_boundary", "path", "can_mix", "mix_blocker",
                  "decode_width", "duration_ns", "outcome", "num_preempted")
 NUM_HIST_BINS = 40
+NEWEST_SCOPE = 50_000          # default view: the newest decisions, so cost does not grow with the run
 NUM_SHARE_BUCKETS = 60
 
 
@@ -32,9 +33,13 @@ class ChunkFilter:
     paths: tuple[str, ...] = ()          # empty = any
     cap_rules: tuple[str, ...] = ()
     blockers: tuple[str, ...] = ()       # may include NO_BLOCKER
+    min_tick: int | None = None          # scope: only decisions at tick >= min_tick (None = whole run)
 
     def where(self, run_id: int) -> tuple[str, list]:
         clauses, params = ["run_id = ?"], [run_id]
+        if self.min_tick is not None:       # a range of the (run_id, tick) index
+            clauses.append("tick >= ?")
+            params.append(self.min_tick)
         if self.request_id is not None:
             clauses.append("request_id = ?")
             params.append(int(self.request_id))
@@ -52,6 +57,17 @@ class ChunkFilter:
             clauses.append("(" + " OR ".join(parts) + ")")
             params += named
         return " AND ".join(clauses), params
+
+
+def scope_start(db: Path, run_id: int, newest: int = NEWEST_SCOPE) -> tuple[int | None, int]:
+    """(first tick of the run's newest ``newest`` chunks, or None if the run has fewer; run total)."""
+    total = query_one(db, "SELECT COUNT(*) AS n FROM chunks WHERE run_id = ?", [run_id]) or {}
+    num_total = int(total.get("n") or 0)
+    if num_total <= newest:
+        return None, num_total
+    row = query_one(db, "SELECT tick FROM chunks WHERE run_id = ? ORDER BY tick DESC LIMIT 1 OFFSET ?",
+                    [run_id, newest - 1])
+    return (int(row["tick"]) if row else None), num_total
 
 
 def chunk_count(db: Path, run_id: int, flt: ChunkFilter) -> int:

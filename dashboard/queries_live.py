@@ -16,11 +16,13 @@ import pandas as pd
 
 from dashboard.db import percentile_sql, query_df, query_one
 
-MAX_RAW_FORWARDS = 10_000      # past this many forwards in the window, bucket them in SQL
-NUM_BUCKETS = 2_000
-MAX_STREAM_EVENTS = 4_000
-MAX_MARKERS = 2_000
+MAX_RAW_FORWARDS = 4_000       # past this many forwards in the window, bucket them in SQL (a screen is ~1,500 px wide)
+NUM_BUCKETS = 1_500
+MAX_STREAM_EVENTS = 1_500
+MAX_MARKERS = 500
 ITL_RECENT_TOKENS = 20_000     # live ITL percentiles look at the newest tokens only
+RECENT_REQUESTS = 2_000        # live TTFT / e2e percentiles: the newest requests only
+ITL_SAMPLE_TOKENS = 20_000     # whole-run ITL: sample whole requests down to about this many tokens
 NS_PER_MS = 1_000_000
 
 
@@ -115,30 +117,47 @@ def timeline_window(db: Path, run_id: int, window_s: float) -> TimelineWindow | 
                           start_ns / NS_PER_MS, end_ns / NS_PER_MS, num_forwards, is_bucketed)
 
 
-def _latest_token_id(db: Path, run_id: int) -> int:
-    row = query_one(db, "SELECT id FROM tokens WHERE run_id = ? ORDER BY id DESC LIMIT 1", [run_id])
-    return 0 if row is None else int(row["id"])
+def _newest(db: Path, sql: str, run_id: int) -> int:
+    row = query_one(db, sql, [run_id])
+    return 0 if row is None or row["v"] is None else int(row["v"])
 
 
-def latency_percentiles(db: Path, run_id: int, recent_tokens: int | None = ITL_RECENT_TOKENS) -> pd.DataFrame:
-    """TTFT, ITL and end-to-end p50 / p90 / p99 in ms (one row per metric).
+def latency_percentiles(db: Path, run_id: int, is_recent: bool = True) -> pd.DataFrame:
+    """TTFT, ITL and end-to-end p50 / p90 / p99 in ms (one row per metric, with ``scope``).
 
-    TTFT and e2e come from the ``requests`` rows; ITL from the gap between
-    consecutive ``tokens`` rows of one request (the newest ``recent_tokens``
-    only, or the whole run when None).
+    TTFT and e2e come from ``requests`` rows, ITL from the gap between
+    consecutive ``tokens`` of one request. Live (``is_recent``): the newest
+    ``RECENT_REQUESTS`` requests and ``ITL_RECENT_TOKENS`` tokens, both
+    primary-key range scans. Whole run: every request, and ITL over an even
+    sample of requests (every k-th id) holding about ``ITL_SAMPLE_TOKENS`` tokens.
     """
+    if is_recent:
+        # request ids start at 0: the bound may go negative, never clamp it to 0
+        min_request = _newest(db, "SELECT MAX(request_id) AS v FROM requests WHERE run_id = ?", run_id) \
+            - RECENT_REQUESTS
+        min_token = max(0, _newest(db, "SELECT id AS v FROM tokens WHERE +run_id = ? ORDER BY id DESC LIMIT 1",
+                                   run_id) - ITL_RECENT_TOKENS)
+        # "+run_id" keeps SQLite on the primary-key range instead of the run's whole index.
+        itl_filter, itl_params = "AND id > ?", [min_token]
+        scope = f"newest {RECENT_REQUESTS} requests / {ITL_RECENT_TOKENS} tokens"
+    else:
+        min_request = -1
+        total = _newest(db, "SELECT SUM(output_len) AS v FROM requests WHERE run_id = ?", run_id)
+        step = max(1, -(-total // ITL_SAMPLE_TOKENS))
+        itl_filter, itl_params = "AND request_id % ? = 0", [step]
+        scope = "whole run" if step == 1 else f"whole run (ITL over every {step}th request)"
     ttft = query_one(db, percentile_sql("SELECT (first_token_ns - arrival_ns) / 1e6 AS v FROM requests "
-                                        "WHERE run_id = ? AND first_token_ns IS NOT NULL"), [run_id])
+                                        "WHERE run_id = ? AND request_id > ? AND first_token_ns IS NOT NULL"),
+                     [run_id, min_request])
     e2e = query_one(db, percentile_sql("SELECT (finished_ns - arrival_ns) / 1e6 AS v FROM requests "
-                                       "WHERE run_id = ? AND finished_ns IS NOT NULL AND status = 'finished'"),
-                    [run_id])
-    min_id = 0 if recent_tokens is None else max(0, _latest_token_id(db, run_id) - recent_tokens)
+                                       "WHERE run_id = ? AND request_id > ? AND finished_ns IS NOT NULL "
+                                       "AND status = 'finished'"), [run_id, min_request])
     itl = query_one(db, percentile_sql(
         "SELECT (t_ns - LAG(t_ns) OVER (PARTITION BY request_id ORDER BY \"index\")) / 1e6 AS v "
-        "FROM tokens WHERE run_id = ? AND id > ?"), [run_id, min_id])
+        f"FROM tokens WHERE {'+' if is_recent else ''}run_id = ? {itl_filter}"), [run_id, *itl_params])
     rows = []
     for metric, row in (("TTFT", ttft), ("ITL", itl), ("e2e", e2e)):
         row = row or {}
         rows.append({"metric": metric, "p50_ms": row.get("p50"), "p90_ms": row.get("p90"),
-                     "p99_ms": row.get("p99"), "count": row.get("count") or 0})
+                     "p99_ms": row.get("p99"), "count": row.get("count") or 0, "scope": scope})
     return pd.DataFrame(rows)

@@ -52,20 +52,34 @@ def run_row(db: Path, run_id: int) -> dict | None:
     return row
 
 
+def _run_rows(db: Path, table: str, run_id: int) -> tuple[str, list]:
+    """WHERE clause covering one run's rows as a primary-key range.
+
+    A run's rows are written together, so min..max id of the run (read from the
+    run_id index) is a sequential scan instead of one index lookup per row.
+    """
+    span = query_one(db, f"SELECT MIN(id) AS lo, MAX(id) AS hi FROM {table} WHERE run_id = ?", [run_id]) or {}
+    if span.get("lo") is None:
+        return "run_id = ?", [run_id]
+    return "id BETWEEN ? AND ? AND +run_id = ?", [span["lo"], span["hi"], run_id]
+
+
 def run_metrics(db: Path, run_id: int) -> dict:
     """Whole-run numbers for the comparison table (all aggregated in SQL)."""
+    where, params = _run_rows(db, "ticks", run_id)
     ticks = query_one(db, "SELECT COUNT(*) AS num_ticks, COALESCE(SUM(num_prefill_tokens), 0) AS prefill, "
                           "COALESCE(SUM(num_decode_tokens), 0) AS decode, MAX(t_ns + duration_ns) AS end_ns, "
-                          "COALESCE(SUM(path = 'mixed'), 0) AS mixed_ticks FROM ticks WHERE run_id = ?",
-                      [run_id]) or {}
+                          f"COALESCE(SUM(path = 'mixed'), 0) AS mixed_ticks FROM ticks WHERE {where}",
+                      params) or {}
+    where, params = _run_rows(db, "chunks", run_id)
     chunks = query_one(db, "SELECT COUNT(*) AS n, COALESCE(SUM(path = 'mixed'), 0) AS mixed FROM chunks "
-                           "WHERE run_id = ?", [run_id]) or {}
+                           f"WHERE {where}", params) or {}
     reqs = query_one(db, "SELECT COUNT(*) AS n, COALESCE(SUM(status = 'finished'), 0) AS finished, "
                          "COALESCE(SUM(status = 'error'), 0) AS errors, COALESCE(SUM(prefix_hit_tokens), 0) AS hit, "
                          "COALESCE(SUM(prompt_len), 0) AS prompt FROM requests WHERE run_id = ?", [run_id]) or {}
     preempt = query_one(db, "SELECT COUNT(*) AS n FROM preemptions WHERE run_id = ?", [run_id]) or {}
     duration_s = (ticks.get("end_ns") or 0) / 1e9
-    latency = latency_percentiles(db, run_id, recent_tokens=None).set_index("metric")
+    latency = latency_percentiles(db, run_id, is_recent=False).set_index("metric")
     metrics = {
         "duration_s": duration_s,
         "requests": reqs.get("n", 0), "finished": reqs.get("finished", 0), "errors": reqs.get("errors", 0),
@@ -74,6 +88,7 @@ def run_metrics(db: Path, run_id: int) -> dict:
         "preemptions": preempt.get("n", 0),
         "mixed_share": chunks["mixed"] / chunks["n"] if chunks.get("n") else None,
         "prefix_hit_ratio": reqs["hit"] / reqs["prompt"] if reqs.get("prompt") else None,
+        "latency scope": latency["scope"].iloc[0],
     }
     for metric in ("TTFT", "ITL", "e2e"):
         for pct in ("p50", "p90", "p99"):

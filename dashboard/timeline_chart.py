@@ -11,6 +11,7 @@ line segments, which the browser draws on the GPU instead of as SVG.
 """
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
@@ -22,47 +23,52 @@ WEBGL_THRESHOLD = 10_000
 # A constant uirevision keeps the user's zoom / pan across fragment refreshes.
 TIMELINE_UIREVISION = "chunkscope-live-timeline"
 
+# Lanes sit at numeric y positions (top lane highest) labelled through tickvals:
+# numeric arrays travel to the browser as typed binary arrays, which keeps a
+# 10k-interval figure cheap to build and to serialize.
+LANE_Y = {lane: float(len(LANES) - 1 - i) for i, lane in enumerate(LANES)}
+
+_CHUNK_HOVER = "<br>chunk: request %{customdata[3]}, %{customdata[4]} tokens, decode width %{customdata[5]}"
 _FORWARD_HOVER = (
-    "tick %{customdata[0]} · %{customdata[1]}<br>"
+    "tick %{customdata[0]} · %{fullData.name}<br>"
     "start %{base:.2f} ms, %{x:.3f} ms<br>"
-    "prefill tokens %{customdata[2]} · decode tokens %{customdata[3]}<br>"
-    "chunk: request %{customdata[4]}, %{customdata[5]} tokens, decode width %{customdata[6]}"
-    "<extra></extra>"
+    "prefill tokens %{customdata[1]} · decode tokens %{customdata[2]}"
 )
-_SEGMENT_HOVER = (
-    "%{customdata[0]} forwards · %{customdata[1]}<br>"
-    "%{customdata[2]} tokens in this slice<extra></extra>"
-)
+_SEGMENT_HOVER = "%{customdata[0]} forwards · %{fullData.name}<br>%{customdata[1]} tokens in this slice<extra></extra>"
+_FORWARD_COLUMNS = ["tick", "num_prefill_tokens", "num_decode_tokens", "request_id", "chunk_len", "decode_width"]
+
+
+def lane_y(lanes: pd.Series) -> np.ndarray:
+    """Lane names -> y positions (unknown stream names go to the bottom lane)."""
+    return lanes.map(LANE_Y).fillna(0.0).to_numpy(dtype=float)
 
 
 def _forward_bars(forwards: pd.DataFrame) -> list[go.Bar]:
     traces = []
     for path, rows in forwards.groupby("path", sort=True):
-        custom = rows[["tick", "path", "num_prefill_tokens", "num_decode_tokens",
-                       "request_id", "chunk_len", "decode_width"]].astype(object)
-        custom = custom.where(pd.notna(custom), "–")
+        has_chunk = path != "decode"
         traces.append(go.Bar(
-            name=f"{path} forward", y=["scheduler"] * len(rows), base=rows["start_ms"].tolist(),
-            x=rows["dur_ms"].tolist(), orientation="h", marker_color=path_color(path),
-            customdata=custom.values.tolist(), hovertemplate=_FORWARD_HOVER, width=0.6,
-            legendgroup=str(path),
+            name=f"{path} forward", y=np.full(len(rows), LANE_Y["scheduler"]),
+            base=rows["start_ms"].to_numpy(dtype=float), x=rows["dur_ms"].to_numpy(dtype=float),
+            orientation="h", marker_color=path_color(path), width=0.6, legendgroup=str(path),
+            customdata=rows[_FORWARD_COLUMNS].to_numpy(dtype=float),
+            hovertemplate=_FORWARD_HOVER + (_CHUNK_HOVER if has_chunk else "") + "<extra></extra>",
         ))
     return traces
 
 
 def _forward_segments(segments: pd.DataFrame) -> list[go.Scattergl]:
-    """One WebGL line trace per path: each interval is [start, end, gap]."""
+    """One WebGL line trace per path: each interval is (start, end, NaN gap)."""
     traces = []
     for path, rows in segments.groupby("path", sort=True):
-        xs, ys, custom = [], [], []
-        for start, end, count, tokens in zip(rows["start_ms"], rows["end_ms"],
-                                              rows["num_ticks"], rows["num_tokens"]):
-            xs += [start, end, None]
-            ys += ["scheduler", "scheduler", None]
-            custom += [[int(count), path, int(tokens)]] * 2 + [[None, None, None]]
+        n = len(rows)
+        xs = np.full(3 * n, np.nan)
+        xs[0::3], xs[1::3] = rows["start_ms"].to_numpy(dtype=float), rows["end_ms"].to_numpy(dtype=float)
+        custom = np.full((3 * n, 2), np.nan)
+        custom[0::3] = custom[1::3] = rows[["num_ticks", "num_tokens"]].to_numpy(dtype=float)
         traces.append(go.Scattergl(
-            name=f"{path} forward", x=xs, y=ys, mode="lines", customdata=custom,
-            line={"color": path_color(path), "width": 14}, hovertemplate=_SEGMENT_HOVER,
+            name=f"{path} forward", x=xs, y=np.where(np.isnan(xs), np.nan, LANE_Y["scheduler"]), mode="lines",
+            customdata=custom, line={"color": path_color(path), "width": 14}, hovertemplate=_SEGMENT_HOVER,
             legendgroup=str(path),
         ))
     return traces
@@ -72,25 +78,25 @@ def _stream_traces(stream_events: pd.DataFrame, links: pd.DataFrame) -> list:
     traces: list = []
     timed = stream_events[stream_events["gpu_elapsed_ms"].notna()]
     if len(timed):
+        elapsed = timed["gpu_elapsed_ms"].to_numpy(dtype=float)
         traces.append(go.Bar(
-            name="GPU-timed interval", y=timed["stream"].tolist(),
-            base=(timed["t_ms"] - timed["gpu_elapsed_ms"]).tolist(), x=timed["gpu_elapsed_ms"].tolist(),
-            orientation="h", marker_color="rgba(120,120,120,0.35)", width=0.4,
-            hovertemplate="%{y}: %{x:.3f} ms on the device<extra></extra>",
+            name="GPU-timed interval", y=lane_y(timed["stream"]), base=timed["t_ms"].to_numpy(dtype=float) - elapsed,
+            x=elapsed, orientation="h", marker_color="rgba(120,120,120,0.35)", width=0.4,
+            hovertemplate="%{x:.3f} ms on the device<extra></extra>",
         ))
     for kind, rows in stream_events.groupby("kind", sort=True):
         traces.append(go.Scatter(
-            name=f"stream {kind}", x=rows["t_ms"].tolist(), y=rows["stream"].tolist(), mode="markers",
+            name=f"stream {kind}", x=rows["t_ms"].to_numpy(dtype=float), y=lane_y(rows["stream"]), mode="markers",
             marker={"symbol": KIND_SYMBOLS.get(str(kind), "circle"), "size": 9},
-            customdata=rows[["event_name", "seq", "tick"]].astype(object).values.tolist(),
-            hovertemplate=f"{kind} %{{customdata[0]}} (seq %{{customdata[1]}}, tick %{{customdata[2]}})"
-                          "<br>%{y} at %{x:.2f} ms<extra></extra>",
+            customdata=rows[["seq", "tick"]].to_numpy(dtype=float), text=rows["event_name"].astype(str).tolist(),
+            hovertemplate=f"{kind} %{{text}} (seq %{{customdata[0]}}, tick %{{customdata[1]}})"
+                          " at %{x:.2f} ms<extra></extra>",
         ))
     if len(links):
-        xs, ys = [], []
-        for r in links.itertuples(index=False):
-            xs += [r.record_t_ms, r.wait_t_ms, None]
-            ys += [r.record_stream, r.wait_stream, None]
+        n = len(links)
+        xs, ys = np.full(3 * n, np.nan), np.full(3 * n, np.nan)
+        xs[0::3], xs[1::3] = links["record_t_ms"].to_numpy(dtype=float), links["wait_t_ms"].to_numpy(dtype=float)
+        ys[0::3], ys[1::3] = lane_y(links["record_stream"]), lane_y(links["wait_stream"])
         traces.append(go.Scatter(
             name="record → wait", x=xs, y=ys, mode="lines", hoverinfo="skip",
             line={"color": "rgba(90,90,90,0.6)", "width": 1, "dash": "dot"},
@@ -102,20 +108,20 @@ def _marker_traces(preemptions: pd.DataFrame, lever_changes: pd.DataFrame) -> li
     traces = []
     if len(preemptions):
         traces.append(go.Scatter(
-            name="preemption", x=preemptions["t_ms"].tolist(), y=["events"] * len(preemptions),
-            mode="markers", marker={"symbol": "x", "size": 11, "color": "#d62728"},
-            customdata=preemptions[["tick", "victim_request_id", "blocks_freed", "reason"]]
-            .astype(object).values.tolist(),
+            name="preemption", x=preemptions["t_ms"].to_numpy(dtype=float),
+            y=np.full(len(preemptions), LANE_Y["events"]), mode="markers",
+            marker={"symbol": "x", "size": 11, "color": "#d62728"},
+            customdata=preemptions[["tick", "victim_request_id", "blocks_freed"]].to_numpy(dtype=float),
+            text=preemptions["reason"].astype(str).tolist(),
             hovertemplate="preempted request %{customdata[1]} at tick %{customdata[0]}<br>"
-                          "%{customdata[2]} blocks freed · %{customdata[3]}<extra></extra>",
+                          "%{customdata[2]} blocks freed · %{text}<extra></extra>",
         ))
     if len(lever_changes):
+        text = [f"{r.name}: {r.old} → {r.new} ({r.status} at tick {r.tick})" for r in lever_changes.itertuples()]
         traces.append(go.Scatter(
-            name="lever change", x=lever_changes["t_ms"].tolist(), y=["events"] * len(lever_changes),
-            mode="markers", marker={"symbol": "diamond", "size": 11, "color": "#ff7f0e"},
-            customdata=lever_changes[["tick", "name", "old", "new", "status"]].astype(str).values.tolist(),
-            hovertemplate="%{customdata[1]}: %{customdata[2]} → %{customdata[3]}"
-                          " (%{customdata[4]} at tick %{customdata[0]})<extra></extra>",
+            name="lever change", x=lever_changes["t_ms"].to_numpy(dtype=float),
+            y=np.full(len(lever_changes), LANE_Y["events"]), mode="markers", text=text,
+            marker={"symbol": "diamond", "size": 11, "color": "#ff7f0e"}, hovertemplate="%{text}<extra></extra>",
         ))
     return traces
 
@@ -153,10 +159,10 @@ def timeline_figure(
         margin={"l": 10, "r": 10, "t": 30, "b": 40},
         legend={"orientation": "h", "y": 1.12},
         xaxis={"title": "ms since run start", "range": list(x_range) if x_range else None},
-        yaxis={"type": "category", "categoryorder": "array", "categoryarray": list(reversed(LANES)),
-               "range": [-0.5, len(LANES) - 0.5]},
+        yaxis={"tickmode": "array", "tickvals": [LANE_Y[lane] for lane in LANES], "ticktext": list(LANES),
+               "range": [-0.5, len(LANES) - 0.5], "zeroline": False, "fixedrange": True},
     )
     return fig
 
 
-__all__ = ["LANES", "STREAM_LANES", "WEBGL_THRESHOLD", "TIMELINE_UIREVISION", "timeline_figure", "PATH_COLORS"]
+__all__ = ["LANES", "LANE_Y", "STREAM_LANES", "WEBGL_THRESHOLD", "TIMELINE_UIREVISION", "timeline_figure", "PATH_COLORS"]

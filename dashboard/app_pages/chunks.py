@@ -5,14 +5,14 @@ import streamlit as st
 
 from dashboard import charts, context, data
 from dashboard.context import RunContext
-from dashboard.queries_chunks import BLOCKERS, CAP_RULES, PATHS, ChunkFilter
+from dashboard.queries_chunks import BLOCKERS, CAP_RULES, NEWEST_SCOPE, PATHS, ChunkFilter
 
 TABLE_LIMIT = 500
 
 st.title("Chunks")
 
 
-def read_filter() -> ChunkFilter | None:
+def read_filter(min_tick: int | None) -> ChunkFilter | None:
     cols = st.columns(4)
     request = cols[0].text_input("request id", key="chunks_request", placeholder="any")
     paths = cols[1].multiselect("path", PATHS, key="chunks_path")
@@ -22,16 +22,23 @@ def read_filter() -> ChunkFilter | None:
     if request and not request.isdigit():
         st.error(f"request id {request!r} is not a number")
         return None
-    return ChunkFilter(int(request) if request else None, tuple(paths), tuple(caps), tuple(blockers))
+    return ChunkFilter(int(request) if request else None, tuple(paths), tuple(caps), tuple(blockers), min_tick)
 
 
 def render(ctx: RunContext) -> None:
-    flt = read_filter()
+    min_tick, num_total = data.chunk_scope(ctx.db, ctx.run_id, ctx.version)
+    scope_note = ""
+    if min_tick is not None:
+        whole = st.toggle(f"whole run ({num_total:,} decisions; slower)", key="chunks_whole_run",
+                          help=f"By default the page looks at the newest {NEWEST_SCOPE:,} decisions.")
+        min_tick = None if whole else min_tick
+        scope_note = "" if whole else f" among the newest {NEWEST_SCOPE:,} of {num_total:,}"
+    flt = read_filter(min_tick)
     if flt is None:
         return
     count, table, hist, share = data.chunk_view(ctx.db, ctx.run_id, ctx.version, flt, TABLE_LIMIT)
     shown = f"newest {len(table)} shown" if count > len(table) else "all shown"
-    st.markdown(f"**{count} chunk decisions** match in run {ctx.run_id} ({shown})")
+    st.markdown(f"**{count} chunk decisions** match in run {ctx.run_id}{scope_note} ({shown})")
     if count == 0:
         st.info("No chunk decision matches these filters.")
         return

@@ -50,7 +50,8 @@ def render(ctx: RunContext) -> None:
                f"{len(win.lever_changes)} lever changes")
     latency = data.latency_percentiles(ctx.db, ctx.run_id, ctx.version)
     left, right = st.columns([2, 3])
-    left.dataframe(latency.round(2), hide_index=True, key="live_latency_table")
+    left.dataframe(latency.drop(columns="scope").round(2), hide_index=True, key="live_latency_table")
+    left.caption(f"latency over the {latency['scope'].iloc[0]}")
     right.plotly_chart(charts.latency_figure(latency), key="live_latency", width="stretch")
 
 

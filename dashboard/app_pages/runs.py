@@ -11,6 +11,10 @@ from dashboard.db import DataUnavailable
 st.title("Runs")
 
 
+def _cell(value):
+    return "–" if value is None or pd.isna(value) else round(value, 3)
+
+
 def _version(ctx: RunContext, run_id: int):
     return data.run_version(ctx.db, run_id)
 
@@ -26,16 +30,18 @@ def render(ctx: RunContext) -> None:
     cols = st.columns(2)
     a = cols[0].selectbox("run A", ids, index=0, key="runs_a")
     b = cols[1].selectbox("run B", ids, index=min(1, len(ids) - 1), key="runs_b")
-    metrics, levers = {}, {}
+    metrics, levers, scopes = {}, {}, {}
     for run_id in dict.fromkeys([a, b]):
         version = _version(ctx, run_id)
         row = data.run_row(ctx.db, run_id, version) or {}
         label = f"run {run_id} ({row.get('status')})"
-        metrics[label] = data.run_metrics(ctx.db, run_id, version)
+        metrics[label] = dict(data.run_metrics(ctx.db, run_id, version))
+        scopes[label] = metrics[label].pop("latency scope")
         levers[label] = row.get("levers") or {}
     table = pd.DataFrame(metrics)
     st.subheader("Side by side")
-    st.dataframe(table.map(lambda v: "–" if v is None or pd.isna(v) else round(v, 3)), key="runs_compare")
+    st.dataframe(table.map(_cell), key="runs_compare")
+    st.caption("latency percentiles over: " + "; ".join(f"{k}: {v}" for k, v in scopes.items()))
     latency = table.loc[[i for i in table.index if i.endswith(" ms")]]
     long = latency.reset_index(names="metric").melt(id_vars="metric", var_name="run", value_name="value_ms")
     long["metric"] = long["metric"].str.removesuffix(" ms")

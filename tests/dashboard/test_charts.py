@@ -1,15 +1,14 @@
 """Figure builders: DataFrame in, Figure out; checked through the figure's JSON spec."""
-import json
-
 import pandas as pd
 import pytest
+from plotly_spec import spec as decode_spec
 
 from dashboard import charts
-from dashboard.timeline_chart import TIMELINE_UIREVISION, WEBGL_THRESHOLD, timeline_figure
+from dashboard.timeline_chart import LANE_Y, TIMELINE_UIREVISION, WEBGL_THRESHOLD, timeline_figure
 
 
 def _spec(fig):
-    return json.loads(fig.to_json())
+    return decode_spec(fig.to_json())
 
 
 def _forwards(n):
@@ -41,7 +40,8 @@ def test_timeline_bars_one_trace_per_path_with_hover_detail():
     mixed = next(t for t in bars if t["name"] == "mixed forward")
     assert mixed["orientation"] == "h" and len(mixed["x"]) == 3
     assert mixed["base"][:2] == [0.0, 6.0]
-    assert mixed["customdata"][0][0] == 0 and mixed["customdata"][0][4] == 7  # tick, request
+    assert mixed["customdata"][0][0] == 0 and mixed["customdata"][0][3] == 7  # tick, request
+    assert set(mixed["y"]) == {LANE_Y["scheduler"]}
     assert "decode width" in mixed["hovertemplate"]
     assert spec["layout"]["uirevision"] == TIMELINE_UIREVISION
     assert spec["layout"]["xaxis"]["range"] == [0, 20]
@@ -63,7 +63,7 @@ def test_timeline_draws_bucketed_rows_as_segments():
     spec = _spec(timeline_figure(buckets, NO_STREAMS, NO_LINKS, NO_PREEMPT, NO_LEVERS))
     (trace,) = spec["data"]
     assert trace["type"] == "scattergl" and trace["x"] == [0.0, 9.0, None, 10.0, 19.0, None]
-    assert trace["customdata"][0] == [40, "decode", 160]
+    assert trace["customdata"][0] == [40, 160] and trace["y"][:3] == [LANE_Y["scheduler"]] * 2 + [None]
 
 
 def test_timeline_streams_links_and_markers():
@@ -79,13 +79,14 @@ def test_timeline_streams_links_and_markers():
                            "new": [True], "status": ["applied"]})
     spec = _spec(timeline_figure(_forwards(3), streams, links, preempt, levers))
     by_name = {t["name"]: t for t in spec["data"]}
-    assert by_name["stream record"]["y"] == ["prefill"]
+    assert by_name["stream record"]["y"] == [LANE_Y["prefill"]]
     assert by_name["stream wait"]["marker"]["symbol"] == "square"
     assert by_name["record → wait"]["x"] == [1.0, 2.0, None]
-    assert by_name["record → wait"]["y"] == ["prefill", "default", None]
+    assert by_name["record → wait"]["y"] == [LANE_Y["prefill"], LANE_Y["default"], None]
     assert by_name["GPU-timed interval"]["base"] == [pytest.approx(0.2)] and by_name["GPU-timed interval"]["x"] == [0.8]
-    assert by_name["preemption"]["y"] == ["events"] and by_name["preemption"]["customdata"][0][1] == 3
-    assert by_name["lever change"]["customdata"][0][1:4] == ["bisect_no_mix", "False", "True"]
+    assert by_name["preemption"]["y"] == [LANE_Y["events"]] and by_name["preemption"]["customdata"][0][1] == 3
+    assert by_name["lever change"]["text"] == ["bisect_no_mix: False → True (applied at tick 2)"]
+    assert spec["layout"]["yaxis"]["ticktext"][LANE_Y.__len__() - 1 - int(LANE_Y["scheduler"])] == "scheduler"
 
 
 def test_latency_figure_groups_percentiles():

@@ -3,13 +3,13 @@
 Expected numbers come from the event stream itself (``run_fixture.events``),
 never from the dashboard's own queries.
 """
-import json
+from plotly_spec import spec as decode_spec
 
 from dashboard.timeline_chart import TIMELINE_UIREVISION
 
 
 def charts(at):
-    return [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+    return [decode_spec(c.proto.spec) for c in at.get("plotly_chart")]
 
 
 def chart_with(at, **layout):
@@ -106,6 +106,8 @@ def test_requests_waterfall_search_and_errors(app, run_fixture):
 
 
 def test_levers_widgets_write_file_and_show_state(app, run_fixture, tmp_path):
+    import json
+
     at = app("levers")
     from telemetry.levers import LEVERS
     labels = {w.label for w in list(at.toggle) + list(at.number_input) + list(at.selectbox)}

@@ -27,7 +27,7 @@ def test_latency_itl_matches_token_gaps(run_fixture):
             gaps.append((t.t_ns - last[t.request_id]) / 1e6)
         last[t.request_id] = t.t_ns
     gaps.sort()
-    lat = queries_live.latency_percentiles(run_fixture.db, run_fixture.run1, recent_tokens=None).set_index("metric")
+    lat = queries_live.latency_percentiles(run_fixture.db, run_fixture.run1, is_recent=False).set_index("metric")
     assert lat.loc["ITL", "count"] == len(gaps)
     assert lat.loc["ITL", "p50_ms"] == pytest.approx(gaps[(len(gaps) * 50 + 99) // 100 - 1])
     assert lat.loc["ITL", "p99_ms"] == pytest.approx(gaps[(len(gaps) * 99 + 99) // 100 - 1])

@@ -1,0 +1,31 @@
+"""Read a Plotly figure spec as the browser gets it: typed arrays ("bdata") decoded to lists."""
+import base64
+import json
+import math
+
+import numpy as np
+
+_DTYPES = {"f8": "<f8", "f4": "<f4", "i1": "<i1", "u1": "<u1", "i2": "<i2", "u2": "<u2", "i4": "<i4", "u4": "<u4"}
+
+
+def _decode(value):
+    if isinstance(value, dict):
+        if "bdata" in value and "dtype" in value:
+            array = np.frombuffer(base64.b64decode(value["bdata"]), dtype=_DTYPES[value["dtype"]])
+            if "shape" in value:
+                array = array.reshape([int(x) for x in str(value["shape"]).split(",")])
+            return [_none_for_nan(x) for x in array.tolist()]
+        return {k: _decode(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_decode(v) for v in value]
+    return value
+
+
+def _none_for_nan(x):
+    if isinstance(x, list):
+        return [_none_for_nan(v) for v in x]
+    return None if isinstance(x, float) and math.isnan(x) else x
+
+
+def spec(json_text: str) -> dict:
+    return _decode(json.loads(json_text))
