@@ -13,6 +13,7 @@ from engine.scheduler.sampling import SamplingParams, make_generator, sample_nex
 from engine.sequence import SequenceState
 
 PREFILL_CHUNK = 512  # bounds peak activation memory on long prompts
+DEFAULT_MAX_CONTEXT = 32768  # the scheduler's fallback when a config names no context length
 
 
 def parse_ids(text: str) -> list[int]:
@@ -30,6 +31,10 @@ def generate(model, tokenizer, prompt: list[int], params: SamplingParams, stop_a
     bad = [t for t in prompt if not 0 <= t < vocab]
     if bad:
         raise ValueError(f"--prompt-ids: token id(s) {bad[:5]} outside the vocabulary [0, {vocab})")
+    # Same limit as the scheduler's admission check (ModelConfig does not carry it yet).
+    max_context = getattr(model.config, "max_position_embeddings", DEFAULT_MAX_CONTEXT)
+    if len(prompt) >= max_context:
+        raise ValueError(f"--prompt-ids: {len(prompt)} tokens do not fit the model's context of {max_context}")
     params.validate(vocab)
     total = len(prompt) + params.max_tokens
     runner = ModelRunner(model, num_kv_blocks=-(-total // 16) + 1, num_ssm_slots=1)
