@@ -115,8 +115,9 @@ LEVERS: tuple[Lever, ...] = (
           "draft acceptance is not cut by min-p. Watch: acceptance / tokens/s with mtp.",
           ),
     Lever("adaptive_sampling", bool, False,
-          "Let the sampler adapt per token (e.g. skip top-k/top-p work when the distribution is "
-          "peaked) instead of the fixed pipeline. Watch: decode tick duration, ITL p50.",
+          "Sample greedily while a sequence is inside a code fence or a tool call (structured "
+          "output breaks on one unlucky token); the request's own sampling elsewhere. Watch: "
+          "outputs of sampled requests inside fences match their greedy continuation.",
           ),
     Lever("preempt_policy", str, "most_blocks",
           "Which running request is preempted when the KV cache runs out: most_blocks (the "

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.cache.kv import KVCacheExhausted
+from engine.scheduler.adaptive import advance, params_for_row
 from engine.scheduler.preempt import VictimCandidate, choose_victim as pick_victim
 from engine.scheduler.request import Request
 from engine.scheduler.sampling import effective_min_p, sample_next
@@ -51,8 +52,9 @@ def process_logits(sched: Scheduler, batch: list[Request], logits: torch.Tensor)
     if not batch:
         return
     levers = sched.levers
+    params = [params_for_row(a.params, a.region, levers.adaptive_sampling) for a in batch]
     tokens = sample_next(
-        logits, [a.params for a in batch], [a.generator for a in batch],
+        logits, params, [a.generator for a in batch],
         [a.num_generated for a in batch], sched.eos_ids,
         min_p_override=[effective_min_p(a.params, levers.speculation, levers.no_mtp_minp) for a in batch])
     for request, token in zip(batch, tokens.tolist()):
@@ -64,6 +66,7 @@ def append_token(sched: Scheduler, request: Request, token: int) -> None:
     index = request.num_generated
     request.output_tokens.append(token)
     request.last_token = token
+    request.region = advance(request.region, token, sched.structure_tokens)
     t_ns = sched.now_ns()
     sched.emit(ev.TokenEvent(tick=sched.tick, t_ns=t_ns, request_id=request.request_id,
                              index=index, token_id=token))

@@ -14,6 +14,7 @@ from typing import Any
 from engine.cache.ssm_pool import SSMPoolExhausted
 from engine.model.runner import ModelRunner
 from engine.scheduler import decode_step, prefill_step, prefix_step
+from engine.scheduler.adaptive import StructureTokens, region_of
 from engine.scheduler.admission import RequestRejected, check_prompt, parse_sampling
 from engine.scheduler.request import Request
 from engine.streams import StreamSet
@@ -44,6 +45,8 @@ class Scheduler:
         self.num_preemptions = 0
         model = runner.model
         self.eos_ids: set[int] = {model.eos_token_id} if model.eos_token_id is not None else set()
+        self.structure_tokens = StructureTokens(model.code_fence_id, model.tool_call_start_id,
+                                                model.tool_call_end_id)
         self.max_context = getattr(runner.config, "max_position_embeddings", 32768)
         self.streams = StreamSet(runner.device, self._on_stream_event)
         self.runner.block_manager.set_cap(levers.kv_blocks_cap or None)
@@ -112,6 +115,7 @@ class Scheduler:
             self.emit_request(request, "rejected", str(exc))
             return request
         request = Request(request_id, tokens, params, self.now_ns(), self.tick, conversation_id)
+        request.region = region_of(tokens, self.structure_tokens)
         self.waiting.append(request)
         self.emit_request(request, "arrived")
         return request

@@ -14,6 +14,7 @@ import torch
 
 from engine.cache.kv import KVCacheExhausted
 from engine.scheduler import decode_step, prefix_step
+from engine.scheduler.adaptive import params_for_row
 from engine.scheduler.chunk_plan import ChunkPlan, plan_chunk
 from engine.scheduler.first_token import FirstTokenPolicy, sample_first_token
 from engine.scheduler.mixing import MixVerdict, can_mix, plan_draft_drop
@@ -151,7 +152,8 @@ def _first_token(sched: Scheduler, req: Request, logits: torch.Tensor) -> None:
         policy = FirstTokenPolicy.for_birth(False, model.think_end_id, model.tool_call_start_id,
                                             req.params.min_tokens, False)
         min_p = effective_min_p(req.params, sched.levers.speculation, sched.levers.no_mtp_minp)
-        token = sample_first_token(logits, req.params, req.generator, policy, sched.eos_ids, min_p)
+        params = params_for_row(req.params, req.region, sched.levers.adaptive_sampling)
+        token = sample_first_token(logits, params, req.generator, policy, sched.eos_ids, min_p)
     except ValueError as exc:
         sched.finish(req, "error", f"first token: {exc}")
         return

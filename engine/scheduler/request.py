@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.scheduler.adaptive import Region
 from engine.scheduler.sampling import SamplingParams
 from engine.sequence import SequenceState
 from telemetry import events as ev
@@ -42,6 +43,7 @@ class Request:
     # this engine has no grammar engine yet, so it stays False unless a client asks.
     has_grammar: bool = False
     pending_drafts: list[int] = field(default_factory=list)
+    region: Region = field(default_factory=Region)   # inside a code fence / tool call (adaptive sampling)
 
     def __post_init__(self) -> None:
         self.seq = SequenceState(request_id=self.request_id)
