@@ -64,8 +64,8 @@ def parse_flips(items: list[str]) -> dict[str, Any]:
     return flips
 
 
-def load_input(path: str, run_id: int | None = None) -> tuple[RecordedRun, Any]:
-    """A bundle zip (through ``telemetry.bundle``) or a telemetry store; returns (run, bundle or None)."""
+def load_input(path: str, run_id: int | None = None) -> tuple[RecordedRun, dict[str, Any] | None]:
+    """A bundle zip (through ``telemetry.bundle``) or a telemetry store; returns (run, manifest or None)."""
     if path.endswith(".zip"):
         from telemetry.bundle import BundleError, open_bundle
         if not os.path.isfile(path):
@@ -74,11 +74,14 @@ def load_input(path: str, run_id: int | None = None) -> tuple[RecordedRun, Any]:
             bundle = open_bundle(path)
         except BundleError as exc:
             raise ReplayInputError(str(exc)) from None
-        time_range = bundle.manifest.get("time_range") or {}
-        if time_range.get("is_windowed"):
-            raise ReplayInputError(f"{path}: a time-windowed bundle holds only part of the run; "
-                                   f"export the whole run to replay it")
-        return load_recorded_run(bundle.db_path, run_id), bundle
+        with bundle:  # everything is read into memory; the extracted files go at once
+            time_range = bundle.manifest.get("time_range") or {}
+            if time_range.get("is_windowed"):
+                raise ReplayInputError(f"{path}: a time-windowed bundle holds only part of the run; "
+                                       f"export the whole run to replay it")
+            recorded = load_recorded_run(bundle.db_path, bundle.run_id if run_id is None else run_id)
+        recorded.source = path
+        return recorded, bundle.manifest
     if os.path.isdir(path):
         path = os.path.join(path, "telemetry.db")
     if not os.path.exists(path):
@@ -133,21 +136,27 @@ def replay_run(recorded: RecordedRun, *, model: str = "tiny", flips: dict[str, A
                          levers=levers, seed=int(config.get("seed", 0)), device=device, dtype=dtype)
     sched = setup.scheduler
     sched._emit = collect  # only the rows a comparison needs are kept
-    lever_log = drive(sched, recorded, flips, cut_at_tick=None if flips else recorded.num_ticks)
+    submitted, lever_log = drive(sched, recorded, flips, cut_at_tick=None if flips else recorded.num_ticks)
+    # From the submitted objects, not ``sched.done``: Scheduler.stop() ends waiting
+    # requests without moving them to ``done``.
     done = {r.request_id: ReplayedRequest(r.request_id, r.status, r.error, list(r.output_tokens))
-            for r in sched.done}
+            for r in submitted}
     return ReplayedRun(rows[ev.ChunkDecision], rows[ev.Tick], rows[ev.TokenEvent], done, lever_log)
 
 
-def drive(sched, recorded: RecordedRun, flips: dict[str, Any], *, cut_at_tick: int | None) -> list[dict]:
-    """Submit arrivals and apply lever changes at their recorded ticks, stepping like ``serve``."""
+def drive(sched, recorded: RecordedRun, flips: dict[str, Any], *,
+          cut_at_tick: int | None) -> tuple[list[Any], list[dict]]:
+    """Submit arrivals and apply lever changes at their recorded ticks, stepping like ``serve``.
+
+    Returns the submitted Request objects (in submission order) and the lever log."""
     pending = deque(recorded.requests)
     changes = deque(recorded.lever_changes)
     lever_log: list[dict] = []
+    submitted: list[Any] = []
 
     def submit(record: ev.RequestRecord) -> None:
-        sched.submit(record.request_id, list(record.prompt_tokens), dict(record.sampling),
-                     conversation_id=record.conversation_id)
+        submitted.append(sched.submit(record.request_id, list(record.prompt_tokens), dict(record.sampling),
+                                      conversation_id=record.conversation_id))
 
     def arrivals_and_levers() -> None:
         while pending and pending[0].arrival_tick <= sched.tick:
@@ -177,12 +186,12 @@ def drive(sched, recorded: RecordedRun, flips: dict[str, Any], *, cut_at_tick: i
         submit(pending.popleft())
     arrivals_and_levers()  # arrivals and levers logged at the final tick, never stepped
     sched.stop()
-    return lever_log
+    return submitted, lever_log
 
 
 def run(args: argparse.Namespace) -> int:
     flips = parse_flips(args.flip)
-    recorded, _bundle = load_input(args.bundle, args.run)
+    recorded, _manifest = load_input(args.bundle, args.run)
     model, warnings = resolve_model(recorded, args.model, ignore_hash=args.ignore_checkpoint_hash)
     for warning in warnings:
         print(warning, file=sys.stderr)
