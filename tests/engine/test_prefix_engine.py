@@ -234,3 +234,19 @@ def test_random_request_streams_keep_reference_counts_exact(tiny, case):
     assert stats.num_hit_tokens == sum(r.prefix_hit_tokens for r in admitted)
     assert all(r.prefix_hit_tokens % BS == 0 and r.prefix_hit_tokens < r.prompt_len for r in admitted)
     assert Counter(r.status for r in sched.done)[ev.REQ_REJECTED] == 0
+
+
+def test_serve_flag_turns_the_prefix_cache_on_by_default():
+    import argparse
+
+    from engine import serve
+    from engine.engine_setup import build_engine
+
+    parser = argparse.ArgumentParser()
+    serve.add_parser(parser.add_subparsers())
+    assert parser.parse_args(["serve", "--run-dir", "x"]).prefix_cache is True
+    assert parser.parse_args(["serve", "--run-dir", "x", "--no-prefix-cache"]).prefix_cache is False
+    on = build_engine("tiny", kv_blocks=8, ssm_slots=1, levers=defaults(), device="cpu")
+    off = build_engine("tiny", kv_blocks=8, ssm_slots=1, levers=defaults(), device="cpu", prefix_cache=False)
+    assert on.scheduler.prefix is not None and on.engine_config["prefix_cache"] is True
+    assert off.scheduler.prefix is None and off.engine_config["prefix_cache"] is False
