@@ -40,8 +40,9 @@ rows). Paths: a path inside the run directory is written relative to it;
 any other absolute path becomes its basename. No environment variable outside
 ``ENV_ALLOW_LIST`` / ``ENV_ALLOW_PREFIXES`` is ever written.
 
-``telemetry.db``: a SQLite snapshot of that one run (same schema as the live
-store; other runs' rows removed; with a window, rows whose ``t_ns`` falls
+``telemetry.db``: a SQLite snapshot of that one run (same tables as the live
+store, shipped without the ``idx_*`` indexes, which ``open_bundle`` rebuilds;
+other runs' rows removed; with a window, rows whose ``t_ns`` falls
 outside [since_ns, until_ns) removed, and requests kept when their lifetime
 overlaps the window). Taken with ``VACUUM INTO`` from a read-only connection,
 so it is consistent while the engine writes; every other member is derived
@@ -85,6 +86,7 @@ from pathlib import Path
 from typing import Any
 
 from telemetry.events import SCHEMA_VERSION
+from telemetry.snapshot import restore_indexes
 
 _READ_CHUNK = 1 << 20
 
@@ -218,6 +220,7 @@ def open_bundle(path: str | os.PathLike) -> Bundle:
             raise BundleError(f"{where} is corrupted: {exc}") from None
         run_id = manifest["run"]["run_id"]
         _check_db(directory / "telemetry.db", run_id, where)
+        restore_indexes(directory / "telemetry.db")
         levers = manifest["levers"]
         if not isinstance(levers.get("start"), dict) or not isinstance(levers.get("changes"), list):
             raise BundleError(f"{where}: manifest.json 'levers' needs a 'start' object and a 'changes' list")

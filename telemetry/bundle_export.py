@@ -174,7 +174,7 @@ def _write_zip(members: dict[str, Path], manifest: dict[str, Any], out_path: Pat
         with zipfile.ZipFile(partial, "w", allowZip64=True) as zf:
             for name in BUNDLE_MEMBERS:
                 zf.write(members[name], name, compress_type=_COMPRESSION.get(name, zipfile.ZIP_DEFLATED),
-                         compresslevel=6)
+                         compresslevel=9)
         os.replace(partial, out_path)
     finally:
         partial.unlink(missing_ok=True)

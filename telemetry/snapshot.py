@@ -3,8 +3,9 @@
 ``VACUUM INTO`` on a read-only connection copies the database as of one read
 transaction, so the engine's writer keeps committing (WAL) while we copy and
 the copy never holds half a batch. The copy is then ours to prune: other
-runs' rows go, and with a time window the rows outside it; a final VACUUM
-returns the freed pages so the bundle stays small.
+runs' rows go, and with a time window the rows outside it, and the indexes
+(``restore_indexes`` rebuilds them after extraction); a final VACUUM returns
+the freed pages so the bundle stays small.
 """
 from __future__ import annotations
 
@@ -105,8 +106,24 @@ def _prune(path: Path, run_id: int, window: TimeWindow) -> None:
             # and not finished before the start), so every row above keeps its request.
             conn.execute("DELETE FROM requests WHERE (:until IS NOT NULL AND coalesce(arrival_ns, t_ns) >= :until) "
                          "OR (:since IS NOT NULL AND finished_ns IS NOT NULL AND finished_ns < :since)", bounds)
+        # Indexes are a fifth of the file and rebuild in milliseconds: ship without them.
+        for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND name LIKE 'idx_%'"
+                                    ).fetchall():
+            conn.execute(f"DROP INDEX [{name}]")
         conn.execute("COMMIT")
         conn.execute("VACUUM")
+    finally:
+        conn.close()
+
+
+def restore_indexes(path: str | os.PathLike) -> None:
+    """Recreate the store's query indexes in an extracted snapshot (the bundle ships without them)."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        for table, indexes in schema.INDEXES.items():
+            for columns in indexes:
+                conn.execute(f"CREATE INDEX IF NOT EXISTS [idx_{table}_{'_'.join(columns)}] ON [{table}] "
+                             f"({', '.join(f'[{c}]' for c in columns)})")
     finally:
         conn.close()
 

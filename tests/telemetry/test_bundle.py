@@ -55,6 +55,15 @@ def test_bundle_holds_every_member_of_the_latest_run_only(bundle):
     assert counts["ticks"] == 40 and counts["requests"] == 10
 
 
+def test_snapshot_ships_without_indexes_and_open_rebuilds_them(bundle, tmp_path):
+    shipped = tmp_path / "shipped.db"
+    shipped.write_bytes(zipfile.ZipFile(bundle.path).read("telemetry.db"))
+    index_sql = "SELECT name FROM sqlite_master WHERE type = 'index' AND name LIKE 'idx_%' ORDER BY name"
+    assert _rows(shipped, index_sql) == []
+    names = {r["name"] for r in _rows(bundle.db_path, index_sql)}
+    assert {"idx_tokens_run_id_request_id_index", "idx_ticks_run_id_t_ns", "idx_chunks_run_id_tick"} <= names
+
+
 def test_workload_matches_the_snapshot_requests(bundle):
     requests = {r["request_id"]: r for r in _rows(bundle.db_path, "SELECT * FROM requests")}
     assert [w["request_id"] for w in bundle.workload] == sorted(requests, key=lambda i: (requests[i]["arrival_tick"], i))
@@ -83,8 +92,9 @@ def test_manifest_agrees_with_the_snapshot(bundle):
     for key in ("versions", "device", "engine_config", "model_config", "command_line", "chunkscope"):
         assert key in manifest
     assert set(manifest["versions"]["exporter"]) >= {"python", "sqlite", "torch", "streamlit", "plotly", "watchdog"}
-    for name, entry in manifest["files"].items():
-        assert (bundle.directory / name).stat().st_size == entry["bytes"]
+    sizes = {info.filename: info.file_size for info in zipfile.ZipFile(bundle.path).infolist()}
+    assert {name: entry["bytes"] for name, entry in manifest["files"].items()} == \
+        {name: size for name, size in sizes.items() if name != "manifest.json"}
 
 
 def test_manifest_keeps_only_allowed_env_and_no_outside_paths(bundle, run_dir):
