@@ -19,6 +19,7 @@ Evicting a cached block drops its snapshot; every step is a ``GenericEvent``.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from engine.cache.prefix import PrefixCache, PrefixMatch
@@ -39,19 +40,26 @@ EVENT_EVICTED = "snapshot_evicted"
 HOW_CHUNK_END = "chunk_end"  # a chunk ended exactly on the snapshot point
 HOW_MIDCHUNK = "midchunk"  # captured inside a chunk (ssm_tail_midchunk)
 
+SNAPSHOTS_PER_SLOT = 4  # default cap on stored snapshots: each is a whole SSM slot's worth of memory
+
 
 class PrefixStep:
     """One scheduler's prefix cache, with the snapshot bookkeeping and telemetry around it."""
 
-    def __init__(self, sched: Scheduler) -> None:
+    def __init__(self, sched: Scheduler, max_snapshots: int | None = None) -> None:
         self.sched = sched
         runner = sched.runner
+        # A snapshot costs as much memory as a live sequence's SSM state (tens of MB on a real
+        # model), so only this many are kept; the least recently stored or restored goes first.
+        self.max_snapshots = max_snapshots or SNAPSHOTS_PER_SLOT * runner.ssm_pool.num_slots
         self.block_size = runner.kv_block_size
         self.cache = PrefixCache(runner.block_manager,
                                  needs_ssm_snapshot=bool(runner.config.linear_attention_layers))
         self.cache.add_evict_listener(self._on_evict)
-        # Who took each stored snapshot and where: block hash -> (request id, token position).
-        self._snapshot_origin: dict[int, tuple[int, int]] = {}
+        # Who took each stored snapshot and where: block hash -> (request id, token position),
+        # least recently used first.
+        self._snapshot_origin: OrderedDict[int, tuple[int, int]] = OrderedDict()
+        self._dropping_for_cap = False
 
     # ---- admission ----------------------------------------------------------------------
     def admit(self, req: Request) -> None:
@@ -73,6 +81,8 @@ class PrefixStep:
             self._event(EVENT_SSM_CUT, req.request_id, num_tokens=match.num_tokens,
                         num_kv_tokens=match.num_kv_tokens, reason=match.miss_reason)
         if match.snapshot is not None:
+            if match.block_hashes[-1] in self._snapshot_origin:
+                self._snapshot_origin.move_to_end(match.block_hashes[-1])
             origin = self._snapshot_origin.get(match.block_hashes[-1], (None, None))
             self._event(EVENT_RESTORED, req.request_id, position=match.num_tokens,
                         block_hash=_hex(match.block_hashes[-1]), from_request_id=origin[0])
@@ -110,6 +120,14 @@ class PrefixStep:
             return  # not cached (nothing to key it by) or another request stored one first
         self._snapshot_origin[block_hash] = (req.request_id, position)
         self._event(EVENT_TAKEN, req.request_id, position=position, how=how, block_hash=_hex(block_hash))
+        while len(self._snapshot_origin) > self.max_snapshots:
+            oldest = next(iter(self._snapshot_origin))
+            self._dropping_for_cap = True
+            try:
+                if self.cache.drop_snapshot(oldest) is None:  # the listener below forgets and logs it
+                    self._snapshot_origin.pop(oldest, None)
+            finally:
+                self._dropping_for_cap = False
 
     # ---- eviction ----------------------------------------------------------------------------
     def _on_evict(self, block_hash: int, handle: object | None) -> None:
@@ -118,7 +136,8 @@ class PrefixStep:
         if handle is None:
             return
         request_id, position = origin if origin is not None else (None, None)
-        self._event(EVENT_EVICTED, request_id, position=position, block_hash=_hex(block_hash))
+        self._event(EVENT_EVICTED, request_id, position=position, block_hash=_hex(block_hash),
+                    cause="snapshot_cap" if self._dropping_for_cap else "block_evicted")
 
     def _event(self, kind: str, request_id: int | None, **detail) -> None:
         sched = self.sched

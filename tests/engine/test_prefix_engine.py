@@ -64,11 +64,13 @@ def check_all(sched: Scheduler) -> None:
 
 
 def run(model, specs, *, prefix: bool, levers: dict | None = None, kv_blocks: int = 256,
-        ssm_slots: int = 8, stagger: int = 3) -> Run:
+        ssm_slots: int = 8, stagger: int = 3, max_snapshots: int | None = None) -> Run:
     """Submit one request every ``stagger`` ticks (so prefill mixes with decodes); run to the end."""
     rows: list = []
     runner = ModelRunner(model, num_kv_blocks=kv_blocks, num_ssm_slots=ssm_slots)
     sched = Scheduler(runner, defaults().replace(**(levers or {})), emit=rows.append, prefix_cache=prefix)
+    if max_snapshots is not None:
+        sched.prefix.max_snapshots = max_snapshots
     pending = list(specs)
     while pending or sched.has_work:
         if pending and sched.tick % stagger == 0 or pending and not sched.has_work:
@@ -250,3 +252,13 @@ def test_serve_flag_turns_the_prefix_cache_on_by_default():
     off = build_engine("tiny", kv_blocks=8, ssm_slots=1, levers=defaults(), device="cpu", prefix_cache=False)
     assert on.scheduler.prefix is not None and on.engine_config["prefix_cache"] is True
     assert off.scheduler.prefix is None and off.engine_config["prefix_cache"] is False
+
+
+def test_snapshot_cap_drops_the_least_recently_used(tiny, runs):
+    specs, by_name = runs
+    capped = run(tiny, specs, prefix=True, levers=CKPT, max_snapshots=1)
+    dropped = [e for e in capped.events(prefix_step.EVENT_EVICTED) if e.detail["cause"] == "snapshot_cap"]
+    assert len(dropped) == len(capped.events(prefix_step.EVENT_TAKEN)) - 1
+    assert capped.sched.prefix.num_snapshots == 1
+    assert capped.outputs == by_name["no_cache"].outputs
+    assert 0 < sum(capped.hits.values()) < sum(by_name["ckpt"].hits.values())
