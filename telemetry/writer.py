@@ -66,7 +66,8 @@ class TelemetryWriter:
             raise ValueError(f"queue_size ({queue_size}) must be >= max_batch ({max_batch})")
         self.db_path = os.fspath(db_path)
         self.run_id: int | None = None
-        self.error: str | None = None          # last store error; None when healthy
+        self.error: str | None = None          # current store error; None when healthy
+        self.last_error: str | None = None     # most recent error even after recovery (run row)
         self.num_dropped = 0                   # events dropped while the store was failing
         self.writer_wait_ns = 0                # producers' total wait on a full queue
         self.flushed_batches = 0
@@ -95,8 +96,9 @@ class TelemetryWriter:
         if self.run_id is not None:
             raise RuntimeError(f"this writer already owns run {self.run_id}")
         command = self._submit("start_run", started, timeout_s)
-        if command.error is not None:
-            raise TelemetryWriteError(f"cannot start a run in {self.db_path}: {command.error}")
+        if command.error is not None or not command.done.is_set():
+            why = command.error or f"no answer from the writer thread within {timeout_s:.0f}s ({self.error})"
+            raise TelemetryWriteError(f"cannot start a run in {self.db_path}: {why}")
         self.run_id = command.result
         return self.run_id
 
@@ -138,6 +140,10 @@ class TelemetryWriter:
 
     def _submit(self, kind: str, payload: Any, timeout_s: float) -> _Command:
         command = _Command(kind, payload)
+        if not self._thread.is_alive():  # it gave up (store unusable before any run): answer now
+            command.error = self.error or "telemetry writer thread has stopped"
+            command.done.set()
+            return command
         self._queue.append(command)
         self._wake.set()
         command.done.wait(timeout_s)
@@ -169,6 +175,7 @@ class TelemetryWriter:
                 is_closing = self._drain()
                 if self._is_failing:
                     log.warning("telemetry store %s recovered (last error: %s)", self.db_path, self.error)
+                    self.error = None
                 self._is_failing = False
                 backoff_s = 0.05
             except (sqlite3.Error, OSError) as exc:
@@ -184,7 +191,7 @@ class TelemetryWriter:
             self._maybe_checkpoint()
 
     def _record_failure(self, exc: BaseException) -> None:
-        self.error = f"{type(exc).__name__}: {exc}"
+        self.error = self.last_error = f"{type(exc).__name__}: {exc}"
         if not self._is_failing:
             log.error("telemetry store %s is failing: %s (retrying with backoff)", self.db_path, self.error)
         self._is_failing = True
@@ -286,7 +293,7 @@ class TelemetryWriter:
             with db.atomic():
                 db.execute("UPDATE runs SET status = ?, finished_at = ?, writer_wait_ns = ?, num_dropped = ?, "
                            "writer_error = ? WHERE run_id = ?",
-                           [status, time.time(), self.writer_wait_ns, self.num_dropped, self.error, self.run_id])
+                           [status, time.time(), self.writer_wait_ns, self.num_dropped, self.last_error, self.run_id])
         self._checkpoint(mode="TRUNCATE")
         db.close()
         self._db = None
