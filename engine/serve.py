@@ -203,7 +203,16 @@ def _setup_logging(run_dir: Path) -> None:
     root = logging.getLogger("chunkscope")
     root.setLevel(logging.INFO)
     if not root.handlers:
-        for handler in (logging.StreamHandler(sys.stderr), logging.FileHandler(run_dir / "engine.log")):
+        handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+        try:
+            handlers.append(logging.FileHandler(run_dir / "engine.log"))
+        except OSError as exc:  # an unwritable run dir: serve anyway, stderr is the only log
+            file_error = f"cannot write {run_dir / 'engine.log'}: {exc.strerror or exc}; logging to stderr only"
+        else:
+            file_error = None
+        for handler in handlers:
             handler.setFormatter(fmt)
             root.addHandler(handler)
+        if file_error:
+            log.error(file_error)
     torch.set_grad_enabled(False)
