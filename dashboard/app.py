@@ -13,13 +13,13 @@ import streamlit as st
 from dashboard import context, data
 from dashboard.db import DataUnavailable
 
-st.set_page_config(page_title="Chunkscope", page_icon="🔬", layout="wide")
+st.set_page_config(page_title="Chunkscope", page_icon=":material/biotech:", layout="wide")
 PAGES = [
-    st.Page("app_pages/live.py", title="Live", icon="⏱️", default=True),
-    st.Page("app_pages/chunks.py", title="Chunks", icon="🧩"),
-    st.Page("app_pages/requests.py", title="Requests", icon="📨"),
-    st.Page("app_pages/levers.py", title="Levers", icon="🎛️"),
-    st.Page("app_pages/runs.py", title="Runs", icon="🗂️"),
+    st.Page("app_pages/live.py", title="Live", icon=":material/monitoring:", default=True),
+    st.Page("app_pages/chunks.py", title="Chunks", icon=":material/view_column:"),
+    st.Page("app_pages/requests.py", title="Requests", icon=":material/list_alt:"),
+    st.Page("app_pages/levers.py", title="Levers", icon=":material/tune:"),
+    st.Page("app_pages/runs.py", title="Runs", icon=":material/compare:"),
 ]
 
 

@@ -85,8 +85,10 @@ def _stream_traces(stream_events: pd.DataFrame, links: pd.DataFrame) -> list:
             hovertemplate="%{x:.3f} ms on the device<extra></extra>",
         ))
     for kind, rows in stream_events.groupby("kind", sort=True):
+        # a wait is drawn on the stream it makes wait (target_stream), where the link lands
+        lanes = rows["target_stream"].fillna(rows["stream"]) if "target_stream" in rows else rows["stream"]
         traces.append(go.Scatter(
-            name=f"stream {kind}", x=rows["t_ms"].to_numpy(dtype=float), y=lane_y(rows["stream"]), mode="markers",
+            name=f"stream {kind}", x=rows["t_ms"].to_numpy(dtype=float), y=lane_y(lanes), mode="markers",
             marker={"symbol": KIND_SYMBOLS.get(str(kind), "circle"), "size": 9},
             customdata=rows[["seq", "tick"]].to_numpy(dtype=float), text=rows["event_name"].astype(str).tolist(),
             hovertemplate=f"{kind} %{{text}} (seq %{{customdata[0]}}, tick %{{customdata[1]}})"

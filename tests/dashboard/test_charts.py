@@ -70,7 +70,8 @@ def test_timeline_streams_links_and_markers():
     streams = pd.DataFrame({
         "t_ms": [1.0, 2.0, 3.0], "kind": ["record", "wait", "sync"],
         "stream": ["prefill", "default", "default"], "event_name": ["kv_ready", "kv_ready", "end"],
-        "seq": [5, 5, 6], "tick": [1, 1, 2], "gpu_elapsed_ms": [0.8, None, None]})
+        "seq": [5, 5, 6], "tick": [1, 1, 2], "gpu_elapsed_ms": [0.8, None, None],
+        "target_stream": [None, "default", None]})
     links = pd.DataFrame({"record_t_ms": [1.0], "record_stream": ["prefill"],
                           "wait_t_ms": [2.0], "wait_stream": ["default"]})
     preempt = pd.DataFrame({"t_ms": [2.5], "tick": [2], "victim_request_id": [3], "blocks_freed": [12],
@@ -81,6 +82,7 @@ def test_timeline_streams_links_and_markers():
     by_name = {t["name"]: t for t in spec["data"]}
     assert by_name["stream record"]["y"] == [LANE_Y["prefill"]]
     assert by_name["stream wait"]["marker"]["symbol"] == "square"
+    assert by_name["stream wait"]["y"] == [LANE_Y["default"]]   # drawn on the stream made to wait
     assert by_name["record → wait"]["x"] == [1.0, 2.0, None]
     assert by_name["record → wait"]["y"] == [LANE_Y["prefill"], LANE_Y["default"], None]
     assert by_name["GPU-timed interval"]["base"] == [pytest.approx(0.2)] and by_name["GPU-timed interval"]["x"] == [0.8]

@@ -1,0 +1,151 @@
+"""Real browser: engine + dashboard served, Debian chromium driven by Playwright.
+
+Starts the tiny engine through the dashboard's own engine control, serves the
+dashboard with ``streamlit run``, sees the Live page's tick counter move
+within 3 s, flips ``bisect_no_mix`` on the Levers page and confirms from
+SQLite that the engine applied it. Screenshots go to the test's tmp dir and
+to ``test-output/dashboard/``.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = "/usr/bin/chromium"
+ROOT = Path(__file__).resolve().parents[2]
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+
+
+def _skip_reason() -> str | None:
+    if not Path(CHROMIUM).exists():
+        return f"{CHROMIUM} is missing (Debian package chromium; .ci/run installs it)"
+    if importlib.util.find_spec("playwright") is None:
+        return "the playwright Python package is not installed"
+    if importlib.util.find_spec("engine.serve") is None:
+        return "the engine (engine/serve.py) is not importable"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+
+
+def _count(db: Path, sql: str, params=()) -> int:
+    if not db.exists():
+        return 0
+    try:
+        conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=1)
+        try:
+            return int(conn.execute(sql, params).fetchone()[0] or 0)
+        finally:
+            conn.close()
+    except sqlite3.Error:
+        return 0
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/_stcore/health", timeout=1) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def served(tmp_path):
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    from dashboard import engine_control
+    from dashboard.paths import RunPaths
+
+    paths = RunPaths(tmp_path / "run")
+    engine_control.start_engine(paths, "tiny", "synthetic", 4.0)
+    port = _free_port()
+    dash = subprocess.Popen(
+        [sys.executable, "-m", "streamlit", "run", str(ROOT / "dashboard" / "app.py"), "--server.headless", "true",
+         "--server.address", "127.0.0.1", "--server.port", str(port), "--", "--run-dir", str(paths.run_dir)],
+        cwd=ROOT, stdout=open(tmp_path / "dashboard.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_for(lambda: _healthy(url), 60, "the dashboard to serve")
+        _wait_for(lambda: _count(paths.db, "SELECT COUNT(*) FROM ticks"), 90, "the engine's first ticks")
+        yield url, paths
+    finally:
+        dash.terminate()
+        try:
+            dash.wait(10)
+        except subprocess.TimeoutExpired:
+            dash.kill()
+        engine_control.stop_engine(paths, timeout_s=15)
+
+
+def _tick_value(page) -> int:
+    text = page.locator('[data-testid="stMetric"]:has-text("tick") [data-testid="stMetricValue"]').first.inner_text()
+    return int(text.strip())
+
+
+def test_live_updates_and_lever_flip_reaches_engine(served, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    url, paths = served
+    out_dir = ROOT / "test-output" / "dashboard"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1500, "height": 1100})
+        page.goto(url)
+        page.locator('[data-testid="stMetricValue"]').first.wait_for(timeout=60_000)
+        page.locator(".js-plotly-plot").first.wait_for(timeout=30_000)
+        first = _tick_value(page)
+        start = time.monotonic()
+        _wait_for(lambda: _tick_value(page) > first, 3.0, "the Live tick counter to move within 3 s")
+        assert time.monotonic() - start <= 3.0
+        page.screenshot(path=str(tmp_path / "live.png"), full_page=True)
+        shutil.copy(tmp_path / "live.png", out_dir / "live.png")
+
+        page.locator('[data-testid="stSidebarNav"] a:has-text("Levers")').click()
+        toggle = page.locator('[data-testid="stCheckbox"]:has-text("bisect_no_mix")').first
+        toggle.wait_for(timeout=30_000)
+        toggle.locator("label").first.click()
+        _wait_for(lambda: paths.levers.exists() and json.loads(paths.levers.read_text())["levers"].get("bisect_no_mix"),
+                  10, "levers.json to ask for bisect_no_mix = true")
+        _wait_for(lambda: _count(paths.db, "SELECT COUNT(*) FROM lever_changes WHERE name = 'bisect_no_mix' "
+                                           "AND status = 'applied' AND new IN ('true', '1')"),
+                  20, "the engine to apply bisect_no_mix")
+        page.wait_for_timeout(1500)
+        page.reload()
+        applied = page.locator('[data-testid="stMarkdownContainer"]').filter(
+            has_text=re.compile(r"in sync · pending\s*True\s*· applied\s*True\s*since tick \d+"))
+        applied.first.wait_for(timeout=20_000)
+        page.screenshot(path=str(tmp_path / "levers.png"), full_page=True)
+        shutil.copy(tmp_path / "levers.png", out_dir / "levers.png")
+        browser.close()
+    assert os.path.getsize(tmp_path / "live.png") > 10_000
