@@ -133,9 +133,9 @@ def replay_run(recorded: RecordedRun, *, model: str = "tiny", flips: dict[str, A
 
     torch.set_grad_enabled(False)
     setup = build_engine(model, kv_blocks=config["kv_blocks"], ssm_slots=config["ssm_slots"],
-                         levers=levers, seed=int(config.get("seed", 0)), device=device, dtype=dtype)
+                         levers=levers, seed=int(config.get("seed", 0)), device=device, dtype=dtype,
+                         emit=collect)  # only the rows a comparison needs are kept
     sched = setup.scheduler
-    sched._emit = collect  # only the rows a comparison needs are kept
     submitted, lever_log = drive(sched, recorded, flips, cut_at_tick=None if flips else recorded.num_ticks)
     # From the submitted objects, not ``sched.done``: Scheduler.stop() ends waiting
     # requests without moving them to ``done``.
