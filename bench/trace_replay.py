@@ -11,7 +11,7 @@ numbers are read back from its telemetry store: requests finished / errors, outp
 total tokens/s over the engine's busy span, TTFT p50/p99 (nearest rank), preemptions,
 prefix-hit token ratio, and the wall time of the whole replay.
 
-    python bench/trace_replay.py [--trace PATH] [--limit 500] [--time-scale 0.05]
+    python bench/trace_replay.py [--trace PATH] [--limit 500] [--time-scale 1.0]
                                  [--length-scale 0.1] [--kv-blocks 512] [--ssm-slots 32]
                                  [--no-prefix-cache] [--run-dir DIR]
 """
@@ -82,7 +82,8 @@ def main() -> int:
     p.add_argument("--model", default="tiny")
     p.add_argument("--limit", type=int, default=500)
     p.add_argument("--start", type=int, default=0)
-    p.add_argument("--time-scale", type=float, default=0.05)
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="1.0 keeps the trace pacing (500 rows = 129 s); < 1 compresses it into an overload")
     p.add_argument("--length-scale", type=float, default=0.1)
     p.add_argument("--kv-blocks", type=int, default=512)
     p.add_argument("--ssm-slots", type=int, default=32)
