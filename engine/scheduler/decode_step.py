@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.cache.kv import KVCacheExhausted
+from engine.scheduler import spec_step
 from engine.scheduler.adaptive import advance, params_for_row
 from engine.scheduler.preempt import VictimCandidate, choose_victim as pick_victim
 from engine.scheduler.request import Request
@@ -25,6 +26,10 @@ def run(sched: Scheduler) -> int:
     _make_room(sched)
     if not sched.active:
         return 0
+    if spec_step.applies(sched):
+        num_computed = spec_step.run(sched)
+        if num_computed is not None:
+            return num_computed
     sched.active.sort(key=lambda a: a.seq.ssm_slot if a.seq.ssm_slot is not None else -1)
     batch = list(sched.active)
     with sched.streams.use(STREAM_DEFAULT):

@@ -17,6 +17,7 @@ from engine.scheduler import decode_step, prefill_step, prefix_step
 from engine.scheduler.adaptive import StructureTokens, region_of
 from engine.scheduler.admission import RequestRejected, check_prompt, parse_sampling
 from engine.scheduler.request import Request
+from engine.scheduler.spec_support import speculation_rejection
 from engine.streams import StreamSet
 from telemetry import events as ev
 from telemetry.levers import LeverValues
@@ -51,6 +52,7 @@ class Scheduler:
         self.streams = StreamSet(runner.device, self._on_stream_event)
         self.runner.block_manager.set_cap(levers.kv_blocks_cap or None)
         self.prefix = prefix_step.PrefixStep(self) if prefix_cache else None
+        self.levers = self._refuse_unsupported(levers, "off", source="init", version=None)
 
     # ---- telemetry --------------------------------------------------------------------
     def now_ns(self) -> int:
@@ -78,6 +80,7 @@ class Scheduler:
     # ---- levers -----------------------------------------------------------------------
     def apply_levers(self, values: LeverValues, *, source: str, version: int | None = None) -> dict:
         """Switch to ``values`` at this tick boundary and log each lever that changed."""
+        values = self._refuse_unsupported(values, self.levers.speculation, source=source, version=version)
         changes = values.changes_from(self.levers)
         self.levers = values
         if "kv_blocks_cap" in changes:
@@ -86,6 +89,17 @@ class Scheduler:
             self.emit(ev.LeverChange(tick=self.tick, t_ns=self.now_ns(), name=name, old=old, new=new,
                                      source=source, status="applied", file_version=version))
         return changes
+
+    def _refuse_unsupported(self, values: LeverValues, previous: str, *, source: str,
+                            version: int | None) -> LeverValues:
+        """Keep ``previous`` speculation when the model cannot run the asked kind; log the rejection."""
+        reason = speculation_rejection(values.speculation, self.runner.model)
+        if reason is None:
+            return values
+        self.emit(ev.LeverChange(tick=self.tick, t_ns=self.now_ns(), name="speculation", old=previous,
+                                 new=values.speculation, source=source, status="rejected", reason=reason,
+                                 file_version=version))
+        return values.replace(speculation=previous)
 
     def reject_levers(self, reason: str, *, source: str) -> None:
         self.emit(ev.LeverChange(tick=self.tick, t_ns=self.now_ns(), name="*", source=source,

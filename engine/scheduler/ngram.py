@@ -18,8 +18,11 @@ def propose_drafts(tokens: Sequence[int], *, max_ngram: int = 3, min_ngram: int 
     ending, i.e. not the suffix itself) and return the tokens that followed it.
     The longest n with a match wins, since a longer match is a stronger
     prediction; the most recent occurrence wins among equals, since nearby text
-    predicts best. A match may overlap the suffix (a run ``a a a a`` predicts
-    more ``a``). Returns [] when no n-gram of those lengths recurs.
+    predicts best. A match may overlap the suffix; then the followers run into
+    the drafts themselves, i.e. the repeat is continued with its own period
+    (``1 2 1 2 1 2`` drafts ``1 2 1 2``, a run ``a a a`` drafts more ``a``),
+    which is what a looping sequence does next. Returns [] when no n-gram of
+    those lengths recurs.
     """
     if min_ngram < 1:
         raise ValueError(f"min_ngram must be >= 1, got {min_ngram}")
@@ -36,6 +39,12 @@ def propose_drafts(tokens: Sequence[int], *, max_ngram: int = 3, min_ngram: int 
         # Candidate starts, newest first; start + n < length keeps at least one follower.
         for start in range(length - n - 1, -1, -1):
             if tokens[start:start + n] == suffix:
+                # Copy forward from just after the match; reading past the end reads the
+                # drafts already copied, which repeats the period (length - follow) as needed.
+                extended = list(tokens)
                 follow = start + n
-                return tokens[follow:follow + num_drafts]
+                while len(extended) - length < num_drafts:
+                    extended.append(extended[follow])
+                    follow += 1
+                return extended[length:]
     return []

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -43,6 +44,11 @@ class Request:
     # this engine has no grammar engine yet, so it stays False unless a client asks.
     has_grammar: bool = False
     pending_drafts: list[int] = field(default_factory=list)
+    # Left by the last speculative step for the next one (engine/scheduler/spec_step.py): the
+    # cached-token count the drafts were proposed at, and the SSM state there (a copy made on
+    # the secondary stream). Stale once any other forward advances the sequence.
+    pending_drafts_at: int | None = None
+    pending_snapshot: Any = None
     region: Region = field(default_factory=Region)   # inside a code fence / tool call (adaptive sampling)
 
     def __post_init__(self) -> None:

@@ -11,18 +11,20 @@ from engine.scheduler.ngram import propose_drafts
     ([], {}, []),
     ([7], {}, []),
     ([1, 2, 3, 4], {}, []),                                   # nothing recurs
-    ([1, 2, 3, 9, 1, 2, 3], {}, [9, 1, 2, 3]),                # trigram match, 4 followers
+    ([1, 2, 3, 9, 1, 2, 3], {}, [9, 1, 2, 3]),                # trigram match, continued periodically
     ([1, 2, 3, 9, 8, 1, 2, 3], {"num_drafts": 2}, [9, 8]),    # capped at num_drafts
     ([5, 1, 2, 6, 7, 1, 2], {}, [6, 7, 1, 2]),                # bigram when no trigram recurs
-    ([4, 2, 8, 3, 2], {}, [8, 3, 2]),                         # unigram fallback
+    ([4, 2, 8, 3, 2], {}, [8, 3, 2, 8]),                      # unigram fallback, period 3
     ([4, 2, 8, 3, 2], {"min_ngram": 2}, []),                  # ... unless min_ngram forbids it
     # most recent occurrence wins among equal n: "1 2" was followed by 3, later by 4
     ([1, 2, 3, 0, 1, 2, 4, 0, 1, 2], {}, [4, 0, 1, 2]),
     # a longer match beats a more recent shorter one
     ([9, 1, 2, 5, 0, 2, 6, 9, 1, 2], {}, [5, 0, 2, 6]),
-    ([3, 3, 3, 3], {}, [3]),                                  # overlapping match inside a run
-    ([1, 2, 1, 2, 1, 2], {}, [1, 2]),                         # period-2 loop: as far as it has seen
-    ([1, 2, 3, 1, 2, 3], {"max_ngram": 1}, [1, 2, 3]),        # unigram only: last 3 -> follows index 2
+    ([3, 3, 3, 3], {}, [3, 3, 3, 3]),                         # a run continues as a run
+    ([1, 2, 1, 2, 1, 2], {}, [1, 2, 1, 2]),                   # a period-2 loop keeps looping
+    ([1, 2, 3, 1, 2, 3], {"max_ngram": 1}, [1, 2, 3, 1]),     # unigram only: last 3 -> after index 2
+    ([6, 1, 2, 3, 6, 1, 9, 9, 9, 6, 1], {}, [9, 9, 9, 6]),    # the most recent bigram match wins
+    ([1, 2, 3, 4, 5, 6, 1, 2, 3], {"num_drafts": 6}, [4, 5, 6, 1, 2, 3]),
     ([1, 2, 3, 1], {"num_drafts": 0}, []),
 ])
 def test_table(tokens, kwargs, expected):
@@ -53,7 +55,14 @@ def _reference(tokens, max_ngram, min_ngram, num_drafts):
     if best is None or num_drafts == 0:
         return []
     n, start = best
-    return tokens[start + n:start + n + num_drafts]
+    # The proposal continues the sequence as if it repeated from the match on:
+    # draft j is the token (length - start - n) positions before it.
+    period = len(tokens) - start - n
+    out = []
+    for j in range(num_drafts):
+        ext = tokens + out
+        out.append(ext[len(ext) - period])
+    return out
 
 
 @settings(max_examples=200, deadline=None)
@@ -66,8 +75,9 @@ def test_matches_brute_force_and_invariants(tokens, max_ngram, min_ngram, num_dr
     assert drafts == _reference(tokens, max_ngram, min_ngram, num_drafts)
     assert len(drafts) <= num_drafts
     if drafts:
-        # The drafts continue some earlier occurrence of a suffix of length >= min_ngram.
-        text = tokens
-        assert any(text[s:s + min_ngram] == text[-min_ngram:]
-                   and text[s + min_ngram:s + min_ngram + len(drafts)] == drafts
-                   for s in range(len(text) - min_ngram))
+        # Appending the drafts keeps the last min_ngram tokens a repeat of an earlier spot:
+        # the drafted continuation is the text that followed such a spot.
+        ext = tokens + drafts
+        assert any(ext[s:s + min_ngram] == tokens[-min_ngram:]
+                   and ext[s + min_ngram:s + min_ngram + len(drafts)] == drafts
+                   for s in range(len(tokens) - min_ngram))
