@@ -139,6 +139,9 @@ def text_report(report: dict[str, Any], *, flips: dict[str, Any], notes: list[st
     lines = []
     if flips:
         lines.append("flipped for the whole replay: " + ", ".join(f"{k}={v}" for k, v in flips.items()))
+    for entry in report.get("lever_changes_replayed") or []:
+        lines.append(f"levers applied at tick {entry['tick']}: "
+                     + ", ".join(f"{k}={v}" for k, v in entry["changes"].items()))
     lines.append(f"decisions: {verdict(report['decisions_identical'])} "
                  f"({report['num_chunks']['recorded']} chunks recorded, {report['num_chunks']['replayed']} "
                  f"replayed; {report['num_ticks']['recorded']} ticks recorded, "

@@ -144,6 +144,7 @@ def test_json_cli_reports_the_contract(served, capsys):
     assert report["requests"] and all(REQUEST_KEYS <= set(r) for r in report["requests"])
     status, out, _ = run_cli(capsys, str(served.bundle))
     assert status == 0 and "decisions: identical" in out and "first divergence: none" in out
+    assert f"levers applied at tick {served.change['tick']}: max_prefill_tokens=32" in out
 
 
 @pytest.mark.parametrize("flip, value", [("bisect_no_mix", True), ("kv_blocks_cap", 12)])
