@@ -2,14 +2,20 @@
 
 Prints, for the ``tiny`` default and a SmolLM-sized random Qwen3.5 (hidden 576, 30 layers,
 3:1 linear/full), prefill tok/s on a 512-token prompt and decode tok/s at batch 1, 8 and 32,
-the ratios to transformers, the fp32 GEMM FLOP/s measured here, and the share of that
-GEMM bound the decode reaches (2 * parameters FLOPs per token).
+the ratios to transformers, the GEMM FLOP/s measured here, and the share of that GEMM bound
+the decode reaches (2 * parameters FLOPs per token).
 
-    python bench/forward.py [--models tiny,smol] [--steps 8] [--dtype float32|bfloat16] [--no-hf]
+The machine is shared, so every measurement is interleaved: each round times ours, then
+transformers, then a reference GEMM, back to back, and the table reports per-round medians.
+Load then hits both sides alike and the ratios stay meaningful even when wall times do not.
+
+    python bench/forward.py [--models tiny,smol] [--rounds 3] [--steps 4] [--threads 1]
+                            [--dtype float32|bfloat16] [--no-hf]
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -25,16 +31,16 @@ SMOL = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, nu
                    num_attention_heads=9, num_key_value_heads=3, head_dim=64,
                    linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64,
                    linear_value_head_dim=64, tie_word_embeddings=True)
-PROMPT_LEN, DECODE_CONTEXT = 512, 64
+PROMPT_LEN, DECODE_CONTEXT, BATCHES = 512, 32, (1, 8, 32)
 
 
-def gemm_flops(dtype: torch.dtype, size: int = 1024, repeats: int = 5) -> float:
+def gemm_seconds(dtype: torch.dtype, size: int = 1024) -> float:
+    """Seconds for one [size, size] @ [size, size] GEMM (2 * size^3 FLOPs)."""
     a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     a @ b
     start = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    return 2 * size ** 3 * repeats / (time.perf_counter() - start)
+    a @ b
+    return time.perf_counter() - start
 
 
 def build(name: str, dtype: torch.dtype) -> Qwen35ForCausalLM:
@@ -47,98 +53,136 @@ def build(name: str, dtype: torch.dtype) -> Qwen35ForCausalLM:
     return model
 
 
-def timed(fn, repeats: int) -> float:
-    fn()  # warm-up
+def seconds(fn) -> float:
     start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - start) / repeats
+    fn()
+    return time.perf_counter() - start
 
 
-def ours_prefill(model, prompt) -> float:
-    def run():
-        runner = ModelRunner(model, num_kv_blocks=40, num_ssm_slots=1, dtype=next(model.parameters()).dtype)
+class Ours:
+    """Our runner: a prefill on a fresh runner, and decode over sequences prefilled once."""
+
+    def __init__(self, model: Qwen35ForCausalLM, max_steps: int):
+        self.model = model
+        self.dtype = next(model.parameters()).dtype
+        blocks_per_seq = -(-(DECODE_CONTEXT + max_steps) // 16) + 1
+        self.runner = ModelRunner(model, num_kv_blocks=max(BATCHES) * blocks_per_seq, num_ssm_slots=max(BATCHES),
+                                  dtype=self.dtype)
+        self.seqs = []
+        for i in range(max(BATCHES)):
+            seq = SequenceState(i)
+            self.runner.admit(seq)
+            self.runner.prefill_chunk(seq, list(range(1, DECODE_CONTEXT + 1)), 0, DECODE_CONTEXT, True)
+            self.seqs.append(seq)
+
+    def prefill(self, prompt: list[int]) -> float:
+        runner = ModelRunner(self.model, num_kv_blocks=-(-len(prompt) // 16) + 1, num_ssm_slots=1, dtype=self.dtype)
         seq = SequenceState(0)
         runner.admit(seq)
-        runner.prefill_chunk(seq, prompt, 0, len(prompt), True)
-    return len(prompt) / timed(run, 2)
+        return seconds(lambda: runner.prefill_chunk(seq, prompt, 0, len(prompt), True))
+
+    def decode_step(self, batch: int) -> float:
+        return seconds(lambda: self.runner.decode(self.seqs[:batch], [1] * batch))
 
 
-def ours_decode(model, batch: int, steps: int) -> float:
-    dtype = next(model.parameters()).dtype
-    runner = ModelRunner(model, num_kv_blocks=batch * 8 + 8, num_ssm_slots=batch, dtype=dtype)
-    seqs = []
-    for i in range(batch):
-        seq = SequenceState(i)
-        runner.admit(seq)
-        runner.prefill_chunk(seq, list(range(1, DECODE_CONTEXT + 1)), 0, DECODE_CONTEXT, True)
-        seqs.append(seq)
-    tokens = [1] * batch
-    return batch / timed(lambda: runner.decode(seqs, tokens), steps)
+class Theirs:
+    """transformers' Qwen3_5ForCausalLM with the same weights; one growing cache per batch size."""
+
+    def __init__(self, model: Qwen35ForCausalLM):
+        import transformers
+        cfg = model.config.to_hf_dict()
+        for key in ("model_type", "architectures", "dtype"):
+            cfg.pop(key)
+        hf = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**cfg)).eval()
+        hf.load_state_dict({k: v.float() for k, v in model.state_dict().items()}, strict=False)
+        self.hf = hf.to(next(model.parameters()).dtype)
+        self.caches, self.positions = {}, {}
+        with torch.inference_mode():
+            for batch in BATCHES:
+                out = self.hf(torch.arange(1, DECODE_CONTEXT + 1).repeat(batch, 1), use_cache=True)
+                self.caches[batch] = out.past_key_values
+                self.positions[batch] = DECODE_CONTEXT
+
+    @torch.inference_mode()
+    def prefill(self, prompt: list[int]) -> float:
+        ids = torch.tensor([prompt])
+        return seconds(lambda: self.hf(ids, use_cache=True))
+
+    @torch.inference_mode()
+    def decode_step(self, batch: int) -> float:
+        position = torch.full((batch, 1), self.positions[batch], dtype=torch.long)
+        token = torch.ones(batch, 1, dtype=torch.long)
+        self.positions[batch] += 1
+        return seconds(lambda: self.hf(token, cache=self.caches[batch], use_cache=True, position_ids=position))
 
 
-def hf_model_for(model: Qwen35ForCausalLM):
-    import transformers
-    cfg = model.config.to_hf_dict()
-    for key in ("model_type", "architectures", "dtype"):
-        cfg.pop(key)
-    hf = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**cfg)).eval()
-    state = {k: v.float() for k, v in model.state_dict().items()}
-    hf.load_state_dict(state, strict=False)
-    return hf.to(next(model.parameters()).dtype)
+def gemm_params(model: Qwen35ForCausalLM) -> int:
+    """Weights touched by GEMMs per token: all but the embedding table, plus the LM head (once, even if tied)."""
+    params = sum(p.numel() for p in model.parameters()) - model.model.embed_tokens.weight.numel()
+    if model.config.tie_word_embeddings:
+        params += model.lm_head.weight.numel()
+    return params
 
 
-@torch.inference_mode()
-def hf_prefill(hf, prompt) -> float:
-    ids = torch.tensor([prompt])
-    return len(prompt) / timed(lambda: hf(ids, use_cache=True), 1)
+def bench_model(name: str, dtype: torch.dtype, rounds: int, steps: int, with_hf: bool) -> None:
+    model = build(name, dtype)
+    params = gemm_params(model)
+    prompt = [(i * 37) % model.config.vocab_size for i in range(PROMPT_LEN)]
+    ours, theirs = Ours(model, (rounds + 1) * steps), (Theirs(model) if with_hf else None)
+    # Warm-up: first calls allocate and pick kernels.
+    ours.decode_step(1)
+    if theirs:
+        theirs.decode_step(1)
+    times: dict[str, list[float]] = {}
 
+    def record(key: str, value: float) -> None:
+        times.setdefault(key, []).append(value)
 
-@torch.inference_mode()
-def hf_decode(hf, batch: int, steps: int) -> float:
-    ids = torch.arange(1, DECODE_CONTEXT + 1).repeat(batch, 1)
-    out = hf(ids, use_cache=True)
-    cache = out.past_key_values if hasattr(out, "past_key_values") else out.cache
-    token = torch.ones(batch, 1, dtype=torch.long)
-    position = [DECODE_CONTEXT]
-
-    def step():
-        hf(token, cache=cache, use_cache=True,
-           position_ids=torch.full((batch, 1), position[0], dtype=torch.long))
-        position[0] += 1
-    return batch / timed(step, steps)
+    for _ in range(rounds):
+        record("gemm", gemm_seconds(dtype))
+        record("ours prefill", ours.prefill(prompt))
+        if theirs:
+            record("theirs prefill", theirs.prefill(prompt))
+        for batch in BATCHES:
+            for _ in range(steps):  # alternate step by step so a load spike hits both sides
+                record(f"ours b{batch}", ours.decode_step(batch))
+                if theirs:
+                    record(f"theirs b{batch}", theirs.decode_step(batch))
+    median = {key: statistics.median(values) for key, values in times.items()}
+    flops = 2 * 1024 ** 3 / median["gemm"]
+    nan = float("nan")
+    ours_rate = PROMPT_LEN / median["ours prefill"]
+    theirs_rate = PROMPT_LEN / median["theirs prefill"] if theirs else nan
+    print(f"[{name}] params(no embed)={params / 1e6:.1f}M  GEMM {flops / 1e9:.1f} GFLOP/s  "
+          f"prefill {PROMPT_LEN}: ours {ours_rate:8.1f} tok/s  transformers {theirs_rate:8.1f} tok/s  "
+          f"ratio {ours_rate / theirs_rate:5.2f}x  GEMM-bound share {ours_rate * 2 * params / flops:5.1%}")
+    for batch in BATCHES:
+        ours_rate = batch / median[f"ours b{batch}"]
+        theirs_rate = batch / median[f"theirs b{batch}"] if theirs else nan
+        print(f"[{name}] decode b{batch:<2}: ours {ours_rate:8.1f} tok/s ({median[f'ours b{batch}'] * 1e3:7.2f} ms/step)  "
+              f"transformers {theirs_rate:8.1f} tok/s  ratio {ours_rate / theirs_rate:5.2f}x  "
+              f"GEMM-bound share {ours_rate * 2 * params / flops:5.1%}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="tiny,smol")
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
+    parser.add_argument("--steps", type=int, default=4, help="decode steps per batch size per round")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (both sides)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     args = parser.parse_args()
-    dtype = getattr(torch, args.dtype)
+    for name, value in (("--rounds", args.rounds), ("--steps", args.steps), ("--threads", args.threads)):
+        if value < 1:
+            parser.error(f"{name} must be >= 1, got {value}")
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    flops = gemm_flops(dtype)
-    print(f"threads={torch.get_num_threads()} dtype={args.dtype} measured GEMM: {flops / 1e9:.1f} GFLOP/s")
+    print(f"threads={torch.get_num_threads()} dtype={args.dtype} rounds={args.rounds} steps={args.steps}")
     for name in args.models.split(","):
-        model = build(name, dtype)
-        # Weights touched by GEMMs per token: everything but the embedding table, plus the LM head
-        # (named_parameters lists a tied head once, under embed_tokens).
-        params = sum(p.numel() for p in model.parameters()) - model.model.embed_tokens.weight.numel()
-        if model.config.tie_word_embeddings:
-            params += model.lm_head.weight.numel()
-        prompt = [(i * 37) % model.config.vocab_size for i in range(PROMPT_LEN)]
-        hf = None if args.no_hf else hf_model_for(model)
-        ours = ours_prefill(model, prompt)
-        theirs = hf_prefill(hf, prompt) if hf is not None else float("nan")
-        print(f"[{name}] params(no embed)={params / 1e6:.1f}M  prefill {PROMPT_LEN}: ours {ours:9.0f} tok/s  "
-              f"transformers {theirs:9.0f} tok/s  ratio {ours / theirs:6.1f}x")
-        for batch in (1, 8, 32):
-            ours = ours_decode(model, batch, args.steps)
-            theirs = hf_decode(hf, batch, max(2, args.steps // 4)) if hf is not None else float("nan")
-            share = ours * 2 * params / flops
-            print(f"[{name}] decode b{batch:<2}: ours {ours:9.0f} tok/s ({batch / ours * 1e3:6.2f} ms/step)  "
-                  f"transformers {theirs:8.0f} tok/s  ratio {ours / theirs:6.1f}x  GEMM-bound share {share:5.1%}")
+        if name not in ("tiny", "smol"):
+            parser.error(f"--models: unknown model {name!r} (tiny, smol)")
+        bench_model(name, getattr(torch, args.dtype), args.rounds, args.steps, not args.no_hf)
 
 
 if __name__ == "__main__":
