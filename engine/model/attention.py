@@ -72,7 +72,9 @@ class GatedAttention(nn.Module):
         context = seg.start + seg.length
         keys, values = kv.gather(self.layer_id, seg.block_ids)  # [n * block, Hkv, D]
         keys, values = keys[:context].transpose(0, 1), values[:context].transpose(0, 1)  # [Hkv, S, D]
-        query = q.transpose(0, 1)  # [H, L, D]
+        # 4-D [1, H, L, D]: with 3-D inputs CPU SDPA drops to the unfused math path (full
+        # softmax matrix, ~10x slower at 512 tokens); 4-D takes the flash kernel.
+        query, keys, values = q.transpose(0, 1)[None], keys[None], values[None]
         if seg.start == 0:
             out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, enable_gqa=True)
         else:
@@ -80,14 +82,16 @@ class GatedAttention(nn.Module):
             rows = torch.arange(seg.length, device=q.device)[:, None] + seg.start
             mask = torch.arange(context, device=q.device)[None, :] <= rows  # [L, S]
             out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, enable_gqa=True)
-        return out.transpose(0, 1)  # [L, H, D]
+        return out[0].transpose(0, 1)  # [L, H, D]
 
     def _decode_attention(self, q: torch.Tensor, batch: ForwardBatch, kv: KVStore) -> torch.Tensor:
         group = batch.decode
         keys, values = kv.gather(self.layer_id, group.block_tables)  # [B, S, Hkv, D]
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hkv, S, D]
-        visible = torch.arange(keys.shape[2], device=q.device)[None, :] < group.context_lens[:, None]  # [B, S]
+        visible = group.visible  # [B, 1, 1, S]
+        if visible is None:
+            visible = (torch.arange(keys.shape[2], device=q.device)[None, :]
+                       < group.context_lens[:, None])[:, None, None, :]
         query = q.unsqueeze(2)  # [B, H, 1, D]
-        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=visible[:, None, None, :],
-                                             enable_gqa=True)
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=visible, enable_gqa=True)
         return out.squeeze(2)  # [B, H, D]

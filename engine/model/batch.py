@@ -25,6 +25,12 @@ class DecodeGroup:
     ssm_slots: torch.Tensor  # [B] long
     block_tables: torch.Tensor  # [B, max_blocks] long, padded with block 0 (masked out)
     context_lens: torch.Tensor  # [B] long: tokens visible to each row, its own included
+    # [B, 1, 1, max_blocks * block_size] bool: which gathered key columns each row may see.
+    # Built once per forward here instead of once per attention layer.
+    visible: torch.Tensor | None = None
+    # (first, end) when the SSM slots are first, first+1, .., end-1: the GDN layers then work on a
+    # view of the pool in place instead of gathering and scattering every layer's state.
+    slot_range: tuple[int, int] | None = None
 
 
 @dataclass
@@ -46,6 +52,11 @@ class ForwardBatch:
 
 def _kv_slots(block_table: list[int], positions: range, block_size: int) -> list[int]:
     return [block_table[p // block_size] * block_size + p % block_size for p in positions]
+
+
+def _consecutive_range(slots: list[int]) -> tuple[int, int] | None:
+    first = slots[0]
+    return (first, first + len(slots)) if slots == list(range(first, first + len(slots))) else None
 
 
 def build_batch(prefill: tuple[list[int], int, list[int], int] | None,
@@ -79,10 +90,15 @@ def build_batch(prefill: tuple[list[int], int, list[int], int] | None,
             kv_slots += _kv_slots(table, range(pos, pos + 1), block_size)
             used = table[: -(-(pos + 1) // block_size)]
             tables.append(used + [0] * (max_blocks - len(used)))
+        slots = [slot for *_, slot in decodes]
+        context_lens = torch.tensor([pos + 1 for _, pos, _, _ in decodes], dtype=torch.long, device=device)
+        columns = torch.arange(max_blocks * block_size, device=device)
         decode_group = DecodeGroup(
-            ssm_slots=torch.tensor([slot for *_, slot in decodes], dtype=torch.long, device=device),
+            ssm_slots=torch.tensor(slots, dtype=torch.long, device=device),
             block_tables=torch.tensor(tables, dtype=torch.long, device=device),
-            context_lens=torch.tensor([pos + 1 for _, pos, _, _ in decodes], dtype=torch.long, device=device))
+            context_lens=context_lens,
+            visible=(columns[None, :] < context_lens[:, None])[:, None, None, :],
+            slot_range=_consecutive_range(slots))
     as_long = dict(dtype=torch.long, device=device)
     return ForwardBatch(torch.tensor(token_ids, **as_long), torch.tensor(positions, **as_long),
                         torch.tensor(kv_slots, **as_long), prefill_segment, decode_group)
