@@ -121,6 +121,8 @@ class Scheduler:
         except RequestRejected as exc:
             request = Request(request_id, [], parse_sampling({}, self.runner.vocab_size),
                               self.now_ns(), self.tick, conversation_id)
+            # The record keeps what the client sent, so a replay rejects it for the same reason.
+            request.sampling_record = dict(sampling) if isinstance(sampling, dict) else {}
             request.prompt_tokens = [t for t in prompt_tokens if isinstance(t, int)] if isinstance(
                 prompt_tokens, (list, tuple)) else []
             request.status, request.error, request.finish_reason = ev.REQ_REJECTED, str(exc), "error"
@@ -217,5 +219,6 @@ class Scheduler:
         """End everything still queued or running (shutdown)."""
         for request in list(self.waiting) + ([self.prefilling] if self.prefilling else []) + self.active:
             self.finish(request, "error", f"cancelled: {reason}")
+        self.done.extend(self.waiting)
         self.waiting.clear()
         self._retire()

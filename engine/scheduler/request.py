@@ -50,6 +50,7 @@ class Request:
     pending_drafts_at: int | None = None
     pending_snapshot: Any = None
     region: Region = field(default_factory=Region)   # inside a code fence / tool call (adaptive sampling)
+    sampling_record: dict | None = None               # the sampling as stored (built once: params never change)
 
     def __post_init__(self) -> None:
         self.seq = SequenceState(request_id=self.request_id)
@@ -71,6 +72,11 @@ class Request:
     def is_prefill_done(self) -> bool:
         return self.chunk_offset >= self.prompt_len
 
+    def _sampling_dict(self) -> dict:
+        if self.sampling_record is None:
+            self.sampling_record = self.params.to_dict()
+        return self.sampling_record
+
     def record(self, tick: int, t_ns: int) -> ev.RequestRecord:
         """The request's current row for the upserted ``requests`` table."""
         return ev.RequestRecord(
@@ -80,7 +86,7 @@ class Request:
             arrival_tick=self.arrival_tick, prompt_len=self.prompt_len,
             output_len=self.num_generated, prefix_hit_tokens=self.prefix_hit_tokens,
             prefix_miss_reason=self.prefix_miss_reason, error=self.error,
-            finish_reason=self.finish_reason, sampling=self.params.to_dict(),
+            finish_reason=self.finish_reason, sampling=self._sampling_dict(),
             prompt_tokens=list(self.prompt_tokens), output_tokens=list(self.output_tokens),
             conversation_id=self.conversation_id,
         )
