@@ -86,14 +86,20 @@ def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 
 def recurrent_gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                               beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per sequence, batched: q, k [B, H, Dk]; v [B, H, Dv]; g, beta [B, H]; state [B, H, Dk, Dv]."""
-    state = state * g.exp()[..., None, None]
-    predicted = (k.unsqueeze(-2) @ state).squeeze(-2)  # [B, H, Dv]
-    delta = (v - predicted) * beta[..., None]
-    state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
-    out = (q.unsqueeze(-2) @ state).squeeze(-2)  # [B, H, Dv]
-    return out, state
+                               beta: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """One token per sequence, batched, updating ``state`` IN PLACE; returns outputs [B, H, Dv].
+
+    q, k [B, H, Dk]; v [B, H, Dv]; g, beta [B, H]; state [B, H, Dk, Dv] (may be a view into the pool).
+    With S' = exp(g) S + k delta^T, the output q^T S' = q^T exp(g) S + (q . k) delta, so one
+    [2, Dk] @ [Dk, Dv] matmul per head reads both k^T S and q^T S before the rank-1 update.
+    """
+    batch, heads, key_dim = k.shape
+    state.mul_(g.exp()[..., None, None])
+    read = torch.stack([k, q], dim=-2) @ state  # [B, H, 2, Dv]
+    delta = (v - read[..., 0, :]) * beta[..., None]  # [B, H, Dv]
+    state.view(batch * heads, key_dim, -1).baddbmm_(k.reshape(batch * heads, key_dim, 1),
+                                                     delta.view(batch * heads, 1, -1))
+    return read[..., 1, :] + (q * k).sum(-1, keepdim=True) * delta
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -122,11 +128,14 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
         self.fused_in: torch.Tensor | None = None
+        self.decay_rate: tuple[torch.Tensor, torch.Tensor] | None = None  # (-exp(A_log), dt_bias), fuse()
 
     def fuse(self) -> None:
         """One GEMM for the four input projections (qkv, z, b, a)."""
         self.fused_in = torch.cat([self.in_proj_qkv.weight, self.in_proj_z.weight, self.in_proj_b.weight,
                                    self.in_proj_a.weight], dim=0).detach()
+        # The decay constants in float32, so the hot path does not recompute exp(A_log) per forward.
+        self.decay_rate = (-self.A_log.detach().float().exp(), self.dt_bias.detach().float())
 
     def _project(self, x: torch.Tensor):
         sizes = [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads]
@@ -142,7 +151,8 @@ class GatedDeltaNet(nn.Module):
         rec_states = pool.recurrent[self.linear_index]  # [S, Hv, Dk, Dv]
         weight = self.conv1d.weight[:, 0, :]  # [conv_dim, K]
         beta = b.float().sigmoid()  # [T, Hv]
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [T, Hv] log decay
+        neg_rate, dt_bias = self.decay_rate or (-self.A_log.float().exp(), self.dt_bias.float())
+        g = neg_rate * F.softplus(a.float() + dt_bias)  # [T, Hv] log decay
         outputs = []
 
         split = batch.num_prefill_tokens
@@ -163,16 +173,22 @@ class GatedDeltaNet(nn.Module):
             outputs.append(out.transpose(0, 1))  # [L, Hv, Dv]
 
         if batch.decode is not None:
-            slots = batch.decode.ssm_slots
-            window = torch.cat([conv_states.index_select(0, slots).to(mixed.dtype),
-                                mixed[split:, :, None]], dim=-1)  # [B, C, K]
-            conv_states.index_copy_(0, slots, window[:, :, 1:].float())
+            group = batch.decode
+            if group.slot_range is not None:
+                # Consecutive slots: work on views of the pool, no gather / scatter.
+                conv_view = conv_states[group.slot_range[0]:group.slot_range[1]]  # [B, C, K-1]
+                state = rec_states[group.slot_range[0]:group.slot_range[1]]  # [B, Hv, Dk, Dv]
+            else:
+                conv_view = conv_states.index_select(0, group.ssm_slots)
+                state = rec_states.index_select(0, group.ssm_slots)
+            window = torch.cat([conv_view.to(mixed.dtype), mixed[split:, :, None]], dim=-1)  # [B, C, K]
+            conv_view.copy_(window[:, :, 1:])
             conv_out = F.silu((window * weight).sum(-1))  # [B, C]
             q, k, v = self._split_heads(conv_out)
-            out, new_state = recurrent_gated_delta_step(q, k, v, g[split:], beta[split:],
-                                                        rec_states.index_select(0, slots))
-            rec_states.index_copy_(0, slots, new_state)
-            outputs.append(out)  # [B, Hv, Dv]
+            outputs.append(recurrent_gated_delta_step(q, k, v, g[split:], beta[split:], state))  # [B, Hv, Dv]
+            if group.slot_range is None:
+                conv_states.index_copy_(0, group.ssm_slots, conv_view)
+                rec_states.index_copy_(0, group.ssm_slots, state)
 
         core = torch.cat(outputs, dim=0) if len(outputs) > 1 else outputs[0]  # [T, Hv, Dv]
         core = self.norm(core.to(x.dtype), z.view(num_tokens, self.num_v_heads, self.head_v_dim))

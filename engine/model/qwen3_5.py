@@ -80,6 +80,12 @@ class Qwen35ForCausalLM(nn.Module):
         for layer in self.model.layers:
             (layer.linear_attn if layer.is_linear else layer.self_attn).fuse()
             layer.mlp.fuse()
+            layer.input_layernorm.fuse()
+            layer.post_attention_layernorm.fuse()
+            if not layer.is_linear:
+                layer.self_attn.q_norm.fuse()
+                layer.self_attn.k_norm.fuse()
+        self.model.norm.fuse()
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVStore, pool: SSMPool,
