@@ -64,7 +64,10 @@ def roll_back(runner: ModelRunner, seq: SequenceState, snapshot: SSMSnapshot, st
     num_blocks = runner.block_manager.num_blocks_for(start + len(keep_tokens))
     while len(seq.block_table) > num_blocks:
         runner.block_manager.decref(seq.block_table.pop())
-    if keep_tokens:
+    if len(keep_tokens) == 1:
+        # Every draft rejected: the replay is exactly one plain decode step (the cheaper kernels).
+        runner.decode([seq], keep_tokens)
+    elif keep_tokens:
         # Only the state matters here; ask for one row of logits to keep the head cheap.
         last_row = torch.tensor([len(keep_tokens) - 1], dtype=torch.long, device=runner.device)
         _forward_segment(runner, seq, keep_tokens, last_row)
