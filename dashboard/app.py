@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import context, data
+from dashboard import context, data, status_banner
 from dashboard.db import DataUnavailable
 
 st.set_page_config(page_title="Chunkscope", page_icon=":material/biotech:", layout="wide")
@@ -32,10 +32,12 @@ def run_picker() -> None:
         return  # the page says why
     if runs.empty:
         return
-    labels = {context.LATEST: f"latest (run {int(runs['run_id'].iloc[0])})"}
+    newest = runs.iloc[0]
+    labels = {context.LATEST: f"latest (run {int(newest['run_id'])} · {newest['status']})"}
     labels.update({int(r.run_id): f"run {int(r.run_id)} · {r.status} · {r.model}" for r in runs.itertuples()})
     st.sidebar.selectbox("run", list(labels), format_func=labels.get, key=context.RUN_KEY)
 
 
 run_picker()
+status_banner.render(context.paths().run_dir)
 st.navigation(PAGES).run()

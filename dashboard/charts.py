@@ -111,5 +111,25 @@ def runs_compare_figure(metrics: pd.DataFrame) -> go.Figure:
     return fig
 
 
-__all__ = ["latency_figure", "chunk_length_histogram", "mix_share_figure", "waterfall_figure",
+def prefix_hit_figure(buckets: pd.DataFrame) -> go.Figure:
+    """Prefix-cache hit ratio per arrival-time bucket (bars, %), with the bucket's token counts on hover.
+
+    ``buckets`` columns: ``bucket_s``, ``bucket_width_s``, ``num_requests``, ``hit_tokens``,
+    ``prompt_tokens``, ``hit_ratio`` (0..1).
+    """
+    fig = go.Figure(go.Bar(
+        name="hit ratio", x=(buckets["bucket_s"] + buckets["bucket_width_s"] / 2).tolist(),
+        y=(buckets["hit_ratio"] * 100).tolist(), width=(buckets["bucket_width_s"] * 0.95).tolist(),
+        marker_color=phase_color("prefilling"),
+        customdata=buckets[["num_requests", "hit_tokens", "prompt_tokens"]].values.tolist(),
+        hovertemplate="%{x:.1f} s: %{y:.1f} % hit (%{customdata[1]} of %{customdata[2]} prompt tokens, "
+                      "%{customdata[0]} requests)<extra></extra>",
+    ))
+    fig.update_layout(height=280, margin=_MARGIN, title="prefix-cache hit ratio by arrival time",
+                      xaxis_title="s since run start", yaxis={"title": "% of prompt tokens", "range": [0, 100]},
+                      uirevision="prefix-hit")
+    return fig
+
+
+__all__ = ["latency_figure", "prefix_hit_figure", "chunk_length_histogram", "mix_share_figure", "waterfall_figure",
            "runs_compare_figure", "timeline_figure"]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from dashboard import lever_state, queries_chunks, queries_live, queries_requests, queries_runs
+from dashboard import lever_state, queries_chunks, queries_live, queries_prefix, queries_requests, queries_runs
 from dashboard.db import DataUnavailable, query_one
 from dashboard.queries_chunks import ChunkFilter
 
@@ -89,3 +89,11 @@ def lever_changes(db: str, run_id: int, version: Version) -> pd.DataFrame:
 @st.cache_data(max_entries=_ENTRIES, show_spinner=False)
 def run_metrics(db: str, run_id: int, version: Version) -> dict:
     return queries_runs.run_metrics(Path(db), run_id)
+
+
+@st.cache_data(max_entries=_ENTRIES, show_spinner=False)
+def prefix_view(db: str, run_id: int, version: Version):
+    """(hit ratio buckets, whole-run totals, miss reasons, snapshot event counts)."""
+    path = Path(db)
+    return (queries_prefix.hit_ratio_over_time(path, run_id), queries_prefix.totals(path, run_id),
+            queries_prefix.miss_reasons(path, run_id), queries_prefix.snapshot_counts(path, run_id))

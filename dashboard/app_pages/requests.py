@@ -1,7 +1,6 @@
 """Requests: lifecycle waterfall per request (searchable), prefix-cache hits, errors with messages."""
 from __future__ import annotations
 
-import pandas as pd
 import streamlit as st
 
 from dashboard import charts, context, data
@@ -12,6 +11,10 @@ from telemetry import events as ev
 
 STATUSES = (ev.REQ_WAITING, ev.REQ_PREFILLING, ev.REQ_DECODING, ev.REQ_PREEMPTED, ev.REQ_FINISHED,
             ev.REQ_ERROR, ev.REQ_REJECTED)
+
+# prefix columns next to the prompt: a hybrid model's miss reason is the first thing to read
+TABLE_COLUMNS = ["request_id", "status", "prompt_len", "prefix_hit_tokens", "prefix_hit_ratio", "prefix_miss_reason",
+                 "output_len", "ttft_ms", "e2e_ms", "finish_reason", "error"]
 
 st.title("Requests")
 
@@ -40,9 +43,11 @@ def render(ctx: RunContext) -> None:
             ttft_ms=(found["first_token_ns"] - found["arrival_ns"]) / 1e6,
             e2e_ms=(found["finished_ns"] - found["arrival_ns"]) / 1e6,
             prefix_hit_ratio=(found["prefix_hit_tokens"] / found["prompt_len"].where(found["prompt_len"] > 0)),
-        ).drop(columns=["arrival_ns", "admitted_ns", "first_token_ns", "finished_ns"])
-        st.dataframe(table, hide_index=True, key="requests_table",
-                     column_config={"prefix_hit_ratio": st.column_config.NumberColumn(format="percent")})
+        )[TABLE_COLUMNS]
+        st.dataframe(table, hide_index=True, key="requests_table", column_config={
+            "prefix_hit_ratio": st.column_config.NumberColumn("prefix hit", format="percent"),
+            "prefix_hit_tokens": st.column_config.NumberColumn("hit tokens"),
+            "prefix_miss_reason": st.column_config.TextColumn("prefix miss reason", width="large")})
     st.subheader(f"Errors ({len(errors)})")
     if errors.empty:
         st.success("No request ended in an error.")

@@ -4,9 +4,8 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dashboard import charts, context, data
+from dashboard import bundle_panel, charts, context, data
 from dashboard.context import RunContext
-from dashboard.db import DataUnavailable
 
 st.title("Runs")
 
@@ -52,6 +51,7 @@ def render(ctx: RunContext) -> None:
         first, second = lever_table.columns
         lever_table["differs"] = lever_table[first] != lever_table[second]
     st.dataframe(lever_table, key="runs_levers")
+    bundle_panel.render(ctx, a)
 
 
 context.run_page(render)

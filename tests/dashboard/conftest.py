@@ -1,8 +1,10 @@
-"""Fixtures: a run directory whose telemetry.db was written by the real telemetry writer.
+"""Fixtures: a short real engine run, and a synthetic store for scale and edge cases.
 
-Run 1 is a finished synthetic run, run 2 a shorter one that ended as crashed.
-The events are also kept in memory so tests compute the expected numbers
-independently of the dashboard's SQL.
+``real_run`` (session): ``python -m engine serve`` on the tiny model wrote its
+run directory (``real_run.py``); tests query its database with plain SQL for
+the expected numbers. ``run_fixture``: a synthetic store written by the real
+telemetry writer, run 1 finished and run 2 crashed, with the events kept in
+memory so tests compute expected numbers independently of the dashboard's SQL.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import real_run  # noqa: E402
 import synthetic_run  # noqa: E402
 
 from dashboard.paths import ENV_RUN_DIR  # noqa: E402
@@ -46,6 +49,19 @@ class RunFixture:
 @pytest.fixture(scope="session")
 def run_fixture(tmp_path_factory) -> RunFixture:
     return RunFixture(tmp_path_factory.mktemp("run"))
+
+
+@pytest.fixture(scope="session")
+def real_run_dir(tmp_path_factory) -> real_run.RealRun:
+    return real_run.run_engine(tmp_path_factory.mktemp("real") / "run")
+
+
+@pytest.fixture
+def real_app(real_run_dir, app):
+    """Like ``app``, on the real engine run's directory (its only run, "latest")."""
+    def open_page(page: str | None = None) -> "AppTest":  # noqa: F821
+        return app(page, run_dir=real_run_dir.run_dir, run_id=None)
+    return open_page
 
 
 @pytest.fixture

@@ -1,0 +1,92 @@
+"""Bug-report bundles from the dashboard: built on request into ``RUN_DIR/bundles/``, served from disk.
+
+Nothing here holds a zip in memory between reruns: ``build_bundle`` writes
+the file (through ``telemetry.bundle_export``, which refuses any path outside
+the run directory), and the page hands the browser a callable that reads the
+file only when the download button is clicked.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from dashboard.paths import RunPaths
+from telemetry.bundle import BundleError
+from telemetry.bundle_export import ExportResult, export_bundle
+
+BUNDLE_DIR_NAME = "bundles"
+MAX_LISTED = 10
+
+
+@dataclass(frozen=True)
+class BundleFile:
+    path: Path
+    num_bytes: int
+    modified_at: float
+
+    @property
+    def label(self) -> str:
+        return f"{self.path.name} ({format_size(self.num_bytes)})"
+
+
+def format_size(num_bytes: int) -> str:
+    for unit, scale in (("MB", 1e6), ("kB", 1e3)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.1f} {unit}"
+    return f"{num_bytes} B"
+
+
+def bundle_dir(paths: RunPaths) -> Path:
+    return paths.run_dir / BUNDLE_DIR_NAME
+
+
+def new_bundle_path(paths: RunPaths, run_id: int, since_s: float | None, until_s: float | None,
+                    now: float | None = None) -> Path:
+    """``bundles/run3-20261202-112233.zip`` (``-w10-40s`` added for a time window); never an existing file."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(time.time() if now is None else now))
+    window = "" if since_s is None and until_s is None else \
+        f"-w{'' if since_s is None else f'{since_s:g}'}-{'' if until_s is None else f'{until_s:g}'}s"
+    base = bundle_dir(paths) / f"run{run_id}-{stamp}{window}"
+    candidate, n = base.with_suffix(".zip"), 1
+    while candidate.exists():
+        n += 1
+        candidate = base.with_name(f"{base.name}-{n}.zip")
+    return candidate
+
+
+def build_bundle(paths: RunPaths, run_id: int, since_s: float | None = None,
+                 until_s: float | None = None) -> ExportResult:
+    """Export one run's bundle into the run directory; BundleError says why when it cannot."""
+    if since_s is not None and until_s is not None and until_s <= since_s:
+        raise BundleError(f"time window: until ({until_s:g} s) must be after since ({since_s:g} s)")
+    if not paths.db.exists():
+        raise BundleError(f"no telemetry database at {paths.db}")
+    out = new_bundle_path(paths, run_id, since_s, until_s)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return export_bundle(paths.db, out, run_id=run_id, since_s=since_s, until_s=until_s,
+                         allowed_root=paths.run_dir)
+
+
+def list_bundles(paths: RunPaths, limit: int = MAX_LISTED) -> list[BundleFile]:
+    """The newest bundles in ``RUN_DIR/bundles`` (regular ``.zip`` files only)."""
+    found = []
+    try:
+        entries = list(bundle_dir(paths).glob("*.zip"))
+    except OSError:
+        return []
+    for path in entries:
+        try:
+            stat = path.lstat()
+        except OSError:
+            continue
+        if path.is_file() and not path.is_symlink():
+            found.append(BundleFile(path, stat.st_size, stat.st_mtime))
+    return sorted(found, key=lambda b: (b.modified_at, b.path.name), reverse=True)[:limit]
+
+
+def file_reader(path: Path):
+    """A no-argument callable for ``st.download_button``: reads the file only on click."""
+    def read() -> bytes:
+        return path.read_bytes()
+    return read

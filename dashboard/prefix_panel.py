@@ -1,0 +1,39 @@
+"""The prefix-cache strip (Streamlit calls only): hit ratio over time, snapshot events, miss reasons.
+
+Drawn on the Live page. A hybrid model's prefix cache needs an SSM snapshot
+where a KV match stops; without one the hit silently drops to 0 %, so the
+miss reasons are shown next to the ratio, not hidden in a table.
+"""
+from __future__ import annotations
+
+import streamlit as st
+
+from dashboard import charts, data
+from dashboard.context import RunContext
+
+EVENT_LABELS = {"prefix_hit": "prefix hits", "prefix_ssm_cut": "hits cut by SSM", "snapshot_taken":
+                "snapshots taken", "snapshot_restored": "snapshots restored", "snapshot_evicted": "snapshots evicted"}
+
+
+def render(ctx: RunContext) -> None:
+    buckets, totals, reasons, counts = data.prefix_view(ctx.db, ctx.run_id, ctx.version)
+    st.subheader("Prefix cache")
+    cols = st.columns(1 + len(EVENT_LABELS))
+    ratio = totals.get("hit_ratio")
+    cols[0].metric("hit ratio (run)", "–" if ratio is None else f"{ratio:.1%}",
+                   help=f"{totals.get('hit_tokens', 0):,} of {totals.get('prompt_tokens', 0):,} prompt tokens "
+                        f"came from the cache; {totals.get('num_hits', 0)} of {totals.get('num_requests', 0)} "
+                        "admitted requests hit")
+    for col, (kind, label) in zip(cols[1:], EVENT_LABELS.items()):
+        col.metric(label, counts[kind])
+    if buckets.empty:
+        st.caption("No admitted request yet.")
+        return
+    left, right = st.columns([3, 2])
+    left.plotly_chart(charts.prefix_hit_figure(buckets), key="prefix_hit_chart", width="stretch")
+    if reasons.empty:
+        right.caption("No request recorded a prefix miss reason.")
+    else:
+        right.markdown("**Why hits stopped short** (requests by reason)")
+        right.dataframe(reasons, hide_index=True, key="prefix_miss_reasons",
+                        column_config={"example": st.column_config.TextColumn(width="large")})
