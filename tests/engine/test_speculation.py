@@ -35,11 +35,11 @@ def repetitive_prompt(seed: int, length: int = 40) -> list[int]:
     return (unit * length)[:length]
 
 
-def run(model, arrivals, levers, *, kv_blocks=256):
+def run(model, arrivals, levers, *, kv_blocks=256, prefix_cache=False):
     """``arrivals``: tick -> [(request_id, prompt, sampling)]; runs everything to completion."""
     rows: list = []
     runner = ModelRunner(model, num_kv_blocks=kv_blocks, num_ssm_slots=4)
-    sched = Scheduler(runner, levers, emit=rows.append)
+    sched = Scheduler(runner, levers, emit=rows.append, prefix_cache=prefix_cache)
     pending = dict(arrivals)
     while pending or sched.has_work:
         for request in pending.pop(sched.tick, []):
@@ -87,6 +87,18 @@ def test_seeded_sampled_run_replays_exactly(tiny):
         assert on == off
         details += [r.detail for r in spec_rows(rows)]
     assert sum(d["num_drafted"] for d in details) > 0 and sum(d["num_accepted"] for d in details) > 0
+
+
+def test_prefix_cache_hits_keep_tokens_identical(tiny):
+    prompt = repetitive_prompt(5, 70)
+    arrivals = {0: [(0, prompt, {"max_tokens": 30})], 40: [(1, prompt + [3, 4], {"max_tokens": 30})]}
+    with_ckpt = defaults().replace(ssm_tail_ckpt=True)
+    off, _ = run(tiny, arrivals, with_ckpt, prefix_cache=True)
+    on, rows = run(tiny, arrivals, with_ckpt.replace(speculation="ngram"), prefix_cache=True)
+    assert on == off
+    records = [r for r in rows if isinstance(r, ev.RequestRecord) and r.request_id == 1]
+    assert records[-1].prefix_hit_tokens > 0  # the second request decoded on shared blocks
+    assert sum(r.detail["num_accepted"] for r in spec_rows(rows)) > 0
 
 
 def test_ticks_say_decode_and_count_the_verify_rows(tiny):
