@@ -21,7 +21,7 @@ from engine.engine_setup import EngineSetup, build_engine, run_started_row
 from engine.lever_watch import LeverWatcher
 from engine.workload.request import RequestSpec
 from engine.workload_feed import WorkloadFeed
-from telemetry.levers import LEVERS_BY_NAME, defaults, from_env
+from telemetry.levers import defaults, from_env
 from telemetry.engine_status import StatusReporter
 from telemetry.writer import TelemetryWriteError, TelemetryWriter, mark_crashed_runs
 from telemetry import events as ev
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         writer, telemetry_error = _open_telemetry(db_path, setup, args, feed)
     sched = setup.scheduler
     status_file = StatusReporter(run_dir)
-    _log_env_levers(sched, base_levers)
+    _log_env_levers(sched)
     watcher = LeverWatcher(run_dir / "levers.json", base_levers)
     stop = _install_stop_handlers()
     status = "finished"
@@ -164,12 +164,11 @@ def _poll_levers(sched, watcher: LeverWatcher) -> None:
         log.info("levers applied at tick %d: %s", sched.tick, changes)
 
 
-def _log_env_levers(sched, base) -> None:
-    """Levers set by the environment are logged once, at tick 0, with source 'env'."""
-    for name, (old, new) in base.changes_from(defaults()).items():
+def _log_env_levers(sched) -> None:
+    """Levers the environment set (and the engine kept) are logged once, at tick 0, with source 'env'."""
+    for name, (old, new) in sched.levers.changes_from(defaults()).items():
         sched.emit(ev.LeverChange(tick=0, t_ns=0, name=name, old=old, new=new, source="env",
                                   status="applied"))
-    assert all(name in LEVERS_BY_NAME for name in base.as_dict())
 
 
 _last_health: dict[str, str | None] = {"error": None}
