@@ -65,9 +65,10 @@ def lifecycle_events(db: Path, run_id: int, request_ids: list[int]) -> pd.DataFr
 
 
 def errors(db: Path, run_id: int, limit: int = 200) -> pd.DataFrame:
-    return query_df(db, "SELECT request_id, finished_ns / 1e6 AS at_ms, prompt_len, finish_reason, error "
-                        "FROM requests WHERE run_id = ? AND status = 'error' ORDER BY request_id DESC LIMIT ?",
-                    [run_id, int(limit)])
+    """Requests that ended with an error message: failed, rejected at admission, or ended by preemption."""
+    return query_df(db, "SELECT request_id, status, finished_ns / 1e6 AS at_ms, prompt_len, finish_reason, error "
+                        "FROM requests WHERE run_id = ? AND (status = 'error' OR error IS NOT NULL) "
+                        "ORDER BY request_id DESC LIMIT ?", [run_id, int(limit)])
 
 
 def data_end_ms(db: Path, run_id: int) -> float:

@@ -48,9 +48,9 @@ def render(ctx: RunContext) -> None:
             "prefix_hit_ratio": st.column_config.NumberColumn("prefix hit", format="percent"),
             "prefix_hit_tokens": st.column_config.NumberColumn("hit tokens"),
             "prefix_miss_reason": st.column_config.TextColumn("prefix miss reason", width="large")})
-    st.subheader(f"Errors ({len(errors)})")
+    st.subheader(f"Errors and rejections ({len(errors)})")
     if errors.empty:
-        st.success("No request ended in an error.")
+        st.success("No request ended with an error.")
     else:
         st.dataframe(errors, hide_index=True, key="requests_errors")
 

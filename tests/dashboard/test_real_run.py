@@ -1,0 +1,163 @@
+"""Every page against the database of a short real engine run (``real_run.py``).
+
+Expected numbers come from plain SQL on that database, never from the
+dashboard's own queries.
+"""
+import json
+
+from plotly_spec import spec as decode_spec
+
+from dashboard.timeline_chart import TIMELINE_UIREVISION
+from telemetry.levers import LEVERS
+
+
+def charts(at):
+    return [decode_spec(c.proto.spec) for c in at.get("plotly_chart")]
+
+
+def chart_with(at, **layout):
+    for spec in charts(at):
+        if all(spec["layout"].get(k) == v for k, v in layout.items()):
+            return spec
+    raise AssertionError(f"no chart with layout {layout}")
+
+
+def texts(at):
+    return " ".join(str(m.value) for m in list(at.markdown) + list(at.caption))
+
+
+FRAME_COLUMNS = {  # AppTest does not expose a dataframe's key: find each table by its columns
+    "prefix_miss_reasons": {"reason", "num_requests", "example"},
+    "requests_table": {"prefix_miss_reason", "prefix_hit_ratio", "ttft_ms"},
+    "requests_errors": {"request_id", "status", "error", "at_ms"},
+    "runs_table": {"run_id", "status", "started"},
+    "replay_requests": {"tokens_identical", "first_token_diff", "recorded_len"},
+}
+
+
+def frame_by_key(at, key):
+    for df in at.dataframe:
+        if FRAME_COLUMNS[key] <= set(df.value.columns):
+            return df.value
+    raise AssertionError(f"no dataframe like {key}")
+
+
+def test_real_live_counters_timeline_markers(real_app, real_run_dir):
+    rr = real_run_dir
+    at = real_app()
+    at.select_slider(key="live_window_s").set_value(300).run()
+    last = rr.rows("SELECT tick, num_waiting, num_active, kv_blocks_used, kv_blocks_total, ssm_slots_used, "
+                   "ssm_slots_total FROM ticks ORDER BY tick DESC LIMIT 1")[0]
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["tick"] == str(last[0])
+    assert metrics["waiting"] == str(last[1]) and metrics["active (decoding)"] == str(last[2])
+    assert metrics["KV blocks"] == f"{last[3]} / {last[4]}" and last[4] == 24
+    assert metrics["SSM slots"] == f"{last[5]} / {last[6]}"
+
+    spec = chart_with(at, uirevision=TIMELINE_UIREVISION)
+    by_path = {t["name"].split()[0]: len(t["x"]) for t in spec["data"] if t["name"].endswith(" forward")}
+    assert by_path == dict(rr.rows("SELECT path, COUNT(*) FROM ticks WHERE path != 'idle' GROUP BY path"))
+    names = {t["name"]: t for t in spec["data"]}
+    num_preemptions = rr.one("SELECT COUNT(*) FROM preemptions")
+    assert num_preemptions > 0, "the 24-block cache should force preemptions"
+    assert len(names["preemption"]["x"]) == num_preemptions
+    # the env lever at tick 0 and the levers-file write mid-run
+    assert len(names["lever change"]["x"]) == rr.one("SELECT COUNT(*) FROM lever_changes") == 2
+    latency = at.dataframe[0].value.set_index("metric")
+    assert latency.loc["TTFT", "count"] == rr.one("SELECT COUNT(*) FROM requests WHERE first_token_ns IS NOT NULL")
+
+
+def test_real_live_prefix_cache_strip(real_app, real_run_dir):
+    rr = real_run_dir
+    at = real_app()
+    metrics = {m.label: m.value for m in at.metric}
+    events = dict(rr.rows("SELECT kind, COUNT(*) FROM events GROUP BY kind"))
+    assert events.get("snapshot_taken", 0) > 0
+    for kind, label in (("prefix_hit", "prefix hits"), ("snapshot_taken", "snapshots taken"),
+                        ("snapshot_restored", "snapshots restored"), ("snapshot_evicted", "snapshots evicted")):
+        assert metrics[label] == str(events.get(kind, 0)), label
+    hit, prompt = rr.rows("SELECT SUM(prefix_hit_tokens), SUM(prompt_len) FROM requests "
+                          "WHERE admitted_ns IS NOT NULL")[0]
+    assert metrics["hit ratio (run)"] == f"{hit / prompt:.1%}"
+    spec = chart_with(at, uirevision="prefix-hit")
+    custom = spec["data"][0]["customdata"]
+    assert sum(c[1] for c in custom) == hit and sum(c[2] for c in custom) == prompt
+    assert sum(c[0] for c in custom) == rr.one("SELECT COUNT(*) FROM requests WHERE admitted_ns IS NOT NULL")
+    reasons = frame_by_key(at, "prefix_miss_reasons")
+    assert reasons["num_requests"].sum() == rr.one(
+        "SELECT COUNT(*) FROM requests WHERE admitted_ns IS NOT NULL AND prefix_miss_reason != ''")
+    assert any(r.startswith("no SSM snapshot") or r.startswith("no cached KV block") for r in reasons["reason"])
+
+
+def test_real_chunks_counts_and_bisect_blocker(real_app, real_run_dir):
+    rr = real_run_dir
+    at = real_app("chunks")
+    num_chunks = rr.one("SELECT COUNT(*) FROM chunks")
+    assert f"**{num_chunks} chunk decisions**" in texts(at)
+    share = chart_with(at, uirevision="mix-share")
+    assert sum(share["data"][0]["y"]) == rr.one("SELECT COUNT(*) FROM chunks WHERE path = 'mixed'")
+    hist = chart_with(at, uirevision="chunk-hist")
+    assert sum(sum(t["y"]) for t in hist["data"]) == num_chunks
+    flipped_at = rr.one("SELECT tick FROM lever_changes WHERE name = 'bisect_no_mix'")
+    # after the mid-run flip the engine never mixes
+    assert rr.one("SELECT COUNT(*) FROM chunks WHERE tick > ? AND path = 'mixed'", [flipped_at]) == 0
+    blocked = rr.one("SELECT COUNT(*) FROM chunks WHERE mix_blocker = 'bisect_no_mix'")
+    at.multiselect(key="chunks_blocker").set_value(["bisect_no_mix"]).run()
+    assert f"**{blocked} chunk decisions**" in texts(at)
+
+
+def test_real_requests_waterfall_prefix_and_errors(real_app, real_run_dir):
+    rr = real_run_dir
+    at = real_app("requests")
+    counts = dict(rr.rows("SELECT status, COUNT(*) FROM requests GROUP BY status"))
+    assert f"**{sum(counts.values())} requests**" in texts(at)
+    assert ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) in texts(at)
+    spec = chart_with(at, uirevision="waterfall")
+    shown = {y for t in spec["data"] for y in t["y"]}
+    assert shown == {f"req {r}" for (r,) in rr.rows("SELECT request_id FROM requests")}
+    table = frame_by_key(at, "requests_table").set_index("request_id")
+    expected = dict(rr.rows("SELECT request_id, prefix_miss_reason FROM requests"))
+    assert {k: (v or "") for k, v in table["prefix_miss_reason"].fillna("").items()} == \
+           {k: (v or "") for k, v in expected.items()}
+    hits = dict(rr.rows("SELECT request_id, prefix_hit_tokens FROM requests"))
+    assert table["prefix_hit_tokens"].to_dict() == hits
+    errors = frame_by_key(at, "requests_errors")
+    assert set(errors["request_id"]) == {r for (r,) in rr.rows("SELECT request_id FROM requests "
+                                                                "WHERE error IS NOT NULL")}
+    assert rr.one("SELECT COUNT(*) FROM requests WHERE status = 'rejected'") >= 1  # too long for 24 blocks
+    assert any("more than the whole cache" in e for e in errors["error"])
+
+
+def test_real_levers_applied_state_and_write(real_app, real_run_dir):
+    rr = real_run_dir
+    levers_file = rr.run_dir / "levers.json"
+    original = levers_file.read_bytes()
+    tick = rr.one("SELECT tick FROM lever_changes WHERE name = 'bisect_no_mix' AND status = 'applied'")
+    try:
+        at = real_app("levers")
+        assert {lever.name for lever in LEVERS} <= {w.label for w in list(at.toggle) + list(at.number_input)
+                                                    + list(at.selectbox)}
+        assert f"**in sync** · pending `True` · applied `True` since tick {tick} (file)" in texts(at)
+        assert "applied `True` since tick 0 (env)" in texts(at)           # ssm_tail_ckpt from the environment
+        next(t for t in at.toggle if t.label == "always_mixed").set_value(True).run()
+        written = json.loads(levers_file.read_text())
+        assert written == {"version": 2, "levers": {"bisect_no_mix": True, "always_mixed": True}}
+        assert "**pending** · pending `True` · applied `False`" in texts(at)
+    finally:
+        levers_file.write_bytes(original)
+
+
+def test_real_runs_compare_metrics(real_app, real_run_dir):
+    rr = real_run_dir
+    at = real_app("runs")
+    assert "**1 runs**" in texts(at)
+    listing = frame_by_key(at, "runs_table")
+    assert list(listing["status"]) == ["finished"]
+    compare = at.dataframe[1].value
+    column = compare.columns[0]
+    assert compare.loc["preemptions", column] == rr.one("SELECT COUNT(*) FROM preemptions")
+    assert compare.loc["requests", column] == rr.one("SELECT COUNT(*) FROM requests")
+    mixed, total = rr.rows("SELECT SUM(path = 'mixed'), COUNT(*) FROM chunks")[0]
+    assert compare.loc["mixed_share", column] == round(mixed / total, 3)
+    hit, prompt = rr.rows("SELECT SUM(prefix_hit_tokens), SUM(prompt_len) FROM requests")[0]
+    assert compare.loc["prefix_hit_ratio", column] == round(hit / prompt, 3)
