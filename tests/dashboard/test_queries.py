@@ -64,3 +64,25 @@ def test_parse_search(text, expected):
 def test_parse_search_rejects(text):
     with pytest.raises(BadSearch):
         parse_search(text)
+
+
+def test_prefix_hit_buckets_and_miss_reasons(run_fixture):
+    from dashboard import queries_prefix
+
+    admitted = [r for r in run_fixture.final_requests().values() if r.admitted_ns is not None]
+    buckets = queries_prefix.hit_ratio_over_time(run_fixture.db, run_fixture.run1, num_buckets=7)
+    assert len(buckets) <= 7 and buckets["num_requests"].sum() == len(admitted)
+    assert buckets["hit_tokens"].sum() == sum(r.prefix_hit_tokens for r in admitted)
+    assert buckets["bucket_s"].is_monotonic_increasing
+    assert ((buckets["hit_ratio"] >= 0) & (buckets["hit_ratio"] <= 1)).all()
+    first = min(admitted, key=lambda r: r.arrival_ns)
+    assert buckets["bucket_s"].iloc[0] == pytest.approx(first.arrival_ns / 1e9)
+    reasons = queries_prefix.miss_reasons(run_fixture.db, run_fixture.run1).set_index("reason")["num_requests"]
+    expected = {}
+    for r in admitted:
+        if r.prefix_miss_reason:
+            expected[r.prefix_miss_reason] = expected.get(r.prefix_miss_reason, 0) + 1
+    assert reasons.to_dict() == expected
+    # the synthetic run emits no snapshot events: every kind is present, at zero
+    assert queries_prefix.snapshot_counts(run_fixture.db, run_fixture.run1) == dict.fromkeys(
+        queries_prefix.SNAPSHOT_KINDS, 0)
