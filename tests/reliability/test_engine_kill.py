@@ -40,6 +40,8 @@ def test_kill_9_mid_run_keeps_flushed_batches_and_next_start_marks_crashed(start
     assert count >= snapshot["tick"], f"ticks up to the heartbeat ({snapshot['tick']}) must all be stored"
     (num_events, status), = query(db, "SELECT num_events, status FROM runs WHERE run_id = 1")
     assert num_events >= snapshot["flushed_events"]
+    print(f"\nkill -9: heartbeat tick {snapshot['tick']} / {snapshot['flushed_events']} flushed events; "
+          f"stored {count} ticks / {num_events} events")
     assert status == "running"                        # nobody could close it
     assert runs_page_statuses(engine.run_dir, monkeypatch) == {1: "crashed"}, "dashboard: dead pid = crashed"
     assert query(db, "SELECT count(*) FROM chunks WHERE run_id = 1")[0][0] > 0

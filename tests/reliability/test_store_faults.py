@@ -91,6 +91,9 @@ def test_disk_full_engine_keeps_serving_reports_loudly_does_not_spin_and_loses_n
     (count, distinct, high), = query(db, "SELECT count(*), count(DISTINCT tick), max(tick) FROM ticks")
     assert count == distinct == high + 1 >= later["tick"], "the batches that failed were retried, none lost"
     assert query(db, "SELECT status, num_dropped FROM runs") == [("finished", 0)]
+    print(f"\ndisk full: failing at tick {failing['tick']}, served to tick {later['tick']} while full "
+          f"({later['num_done'] - failing['num_done']} requests done), CPU {share:.2f} core, "
+          f"{count} ticks stored gapless, 0 dropped")
 
 
 def test_read_only_store_at_start_engine_serves_without_telemetry(start_engine, tmp_path, tmpfs):
