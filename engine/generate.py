@@ -13,7 +13,6 @@ from engine.scheduler.sampling import SamplingParams, make_generator, sample_nex
 from engine.sequence import SequenceState
 
 PREFILL_CHUNK = 512  # bounds peak activation memory on long prompts
-DEFAULT_MAX_CONTEXT = 32768  # the scheduler's fallback when a config names no context length
 
 
 def parse_ids(text: str) -> list[int]:
@@ -32,7 +31,7 @@ def generate(model, tokenizer, prompt: list[int], params: SamplingParams, stop_a
     if bad:
         raise ValueError(f"--prompt-ids: token id(s) {bad[:5]} outside the vocabulary [0, {vocab})")
     # Same limit as the scheduler's admission check (ModelConfig does not carry it yet).
-    max_context = getattr(model.config, "max_position_embeddings", DEFAULT_MAX_CONTEXT)
+    max_context = model.config.max_position_embeddings
     if len(prompt) >= max_context:
         raise ValueError(f"--prompt-ids: {len(prompt)} tokens do not fit the model's context of {max_context}")
     params.validate(vocab)

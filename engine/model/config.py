@@ -34,6 +34,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     hidden_act: str = "silu"
     eos_token_id: int | None = None
+    max_position_embeddings: int = 32768  # the context admission checks prompts against
 
     def __post_init__(self):
         if not self.layer_types:
@@ -99,8 +100,7 @@ class ModelConfig:
         data["layer_types"] = list(self.layer_types)
         data["rope_parameters"] = {"rope_type": "default", "rope_theta": data.pop("rope_theta"),
                                    "partial_rotary_factor": data.pop("partial_rotary_factor")}
-        data.update(model_type="qwen3_5_text", architectures=["Qwen3_5ForCausalLM"],
-                    max_position_embeddings=32768, dtype="float32")
+        data.update(model_type="qwen3_5_text", architectures=["Qwen3_5ForCausalLM"], dtype="float32")
         return data
 
     @classmethod

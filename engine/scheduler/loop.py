@@ -48,7 +48,7 @@ class Scheduler:
         self.eos_ids: set[int] = {model.eos_token_id} if model.eos_token_id is not None else set()
         self.structure_tokens = StructureTokens(model.code_fence_id, model.tool_call_start_id,
                                                 model.tool_call_end_id)
-        self.max_context = getattr(runner.config, "max_position_embeddings", 32768)
+        self.max_context = runner.config.max_position_embeddings
         self.streams = StreamSet(runner.device, self._on_stream_event)
         self.runner.block_manager.set_cap(levers.kv_blocks_cap or None)
         self.prefix = prefix_step.PrefixStep(self) if prefix_cache else None

@@ -156,3 +156,19 @@ def test_lever_change_applies_at_tick_boundary(tiny):
         "bisect_no_mix", False, True, switch_tick, 2)
     later = [r for r in rows if isinstance(r, ev.ChunkDecision) and r.tick >= switch_tick]
     assert later and all(r.path == ev.PATH_PREFILL and r.mix_blocker == ev.BLOCK_BISECT for r in later)
+
+
+def test_prompt_longer_than_the_model_context_is_rejected(tiny, tmp_path):
+    import dataclasses
+    import json
+
+    from engine.model.config import ModelConfig
+
+    runner = ModelRunner(tiny, num_kv_blocks=64, num_ssm_slots=2)
+    runner.config = dataclasses.replace(runner.config, max_position_embeddings=40)
+    sched = Scheduler(runner, defaults())
+    assert sched.submit(0, list(range(1, 45)), {}).error.startswith("prompt_tokens: 44 tokens do not fit")
+    assert sched.submit(1, list(range(1, 30)), {}).status == ev.REQ_WAITING
+    raw = {**tiny.config.to_hf_dict(), "max_position_embeddings": 1024}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert ModelConfig.from_hf_dict(raw).max_position_embeddings == 1024
