@@ -201,6 +201,9 @@ def _setup_logging(run_dir: Path) -> None:
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
     root = logging.getLogger("chunkscope")
     root.setLevel(logging.INFO)
+    # A full disk makes every engine.log write fail; the engine must keep serving, and a
+    # logging traceback per line would bury the one error that matters.
+    logging.raiseExceptions = False
     if not root.handlers:
         handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
         try:
