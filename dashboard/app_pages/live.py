@@ -21,7 +21,7 @@ def counters(ctx: RunContext, window_s: float) -> int | None:
     if c is None:
         st.info(f"Run {ctx.run_id} has no ticks yet.")
         return None
-    cols = st.columns(8)
+    cols = st.columns([1, 1.3, 1, 1.5, 1.2, 1.2, 1.2, 1.3])    # room for "123 / 512" and 6-digit ticks
     cols[0].metric("waiting", c["num_waiting"])
     cols[1].metric("active (decoding)", c["num_active"])
     cols[2].metric("prefilling", c["num_prefilling"])
