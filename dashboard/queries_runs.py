@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import socket
 from pathlib import Path
 
@@ -10,25 +9,16 @@ import pandas as pd
 
 from dashboard.db import query_df, query_one
 from dashboard.queries_live import latency_percentiles
+from telemetry.procs import is_pid_alive
 
 RUN_COLUMNS = ("run_id", "started_at", "finished_at", "model", "device", "status", "pid", "hostname",
                "num_events", "num_dropped", "writer_error", "workload", "levers", "config")
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def shown_status(status: str, pid, hostname) -> str:
     """A run still marked running whose process died on this host is shown as crashed."""
     if status == "running" and pid is not None and pd.notna(pid) and hostname == socket.gethostname() \
-            and not _pid_alive(int(pid)):
+            and not is_pid_alive(int(pid)):
         return "crashed"
     return status
 

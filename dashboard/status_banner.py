@@ -8,7 +8,6 @@ is tested without Streamlit; ``render`` draws it.
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 import streamlit as st
 
 from telemetry.engine_status import read_engine_status
+from telemetry.procs import is_engine_pid
 
 REFRESH_S = 2.0
 
@@ -25,23 +25,6 @@ REFRESH_S = 2.0
 class Banner:
     level: str          # "error" / "warning"
     message: str
-
-
-def is_pid_alive(pid: Any) -> bool:
-    """The pid exists and, where /proc tells, still runs a Python engine (not a recycled pid)."""
-    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return True     # no /proc: trust the signal check
-    return b"engine" in cmdline
 
 
 def banner_for(status: dict[str, Any] | None, is_alive: bool) -> Banner | None:
@@ -79,7 +62,7 @@ def _age_s(status: dict[str, Any]) -> float:
 
 def current_banner(run_dir: Path) -> Banner | None:
     status = read_engine_status(run_dir)
-    return banner_for(status, is_pid_alive((status or {}).get("pid")))
+    return banner_for(status, is_engine_pid((status or {}).get("pid")))
 
 
 @st.fragment(run_every=REFRESH_S)

@@ -40,6 +40,7 @@ import sqlite_utils
 
 from telemetry import schema
 from telemetry.events import RunStarted
+from telemetry.procs import is_pid_alive
 
 log = logging.getLogger("telemetry.writer")
 
@@ -319,16 +320,6 @@ class TelemetryWriter:
             log.debug("wal_checkpoint(%s) skipped: %s", mode, exc)
 
 
-def _is_pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def mark_crashed_runs(db_path: str | os.PathLike) -> list[int]:
     """Mark runs left ``running`` by a dead process on this host as ``crashed``; returns their ids.
 
@@ -345,7 +336,7 @@ def mark_crashed_runs(db_path: str | os.PathLike) -> list[int]:
         here = socket.gethostname()
         rows = db.execute("SELECT run_id, pid, hostname FROM runs WHERE status = 'running'").fetchall()
         crashed = [run_id for run_id, pid, host in rows
-                   if host == here and pid is not None and pid != os.getpid() and not _is_pid_alive(pid)]
+                   if host == here and pid is not None and pid != os.getpid() and not is_pid_alive(pid)]
         with db.atomic():
             for run_id in crashed:
                 db.execute("UPDATE runs SET status = 'crashed' WHERE run_id = ?", [run_id])

@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from dashboard.status_banner import banner_for, is_pid_alive
+from dashboard.status_banner import banner_for
+from telemetry.procs import is_engine_pid as is_pid_alive
 
 PAGES = [None, "chunks", "requests", "levers", "runs"]
 SERVING = {"state": "serving", "pid": 4242, "tick": 77, "telemetry_error": None, "num_dropped": 0,
