@@ -28,6 +28,7 @@ from telemetry import events as ev
 
 log = logging.getLogger("chunkscope.serve")
 IDLE_SLEEP_S = 0.02
+DONE_KEPT = 1024  # ended requests held in memory by an endless server (their rows are in SQLite)
 
 
 def add_parser(subparsers) -> None:
@@ -68,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_telemetry:
         writer, telemetry_error = _open_telemetry(db_path, setup, args, feed)
     sched = setup.scheduler
+    sched.keep_recent_done(DONE_KEPT)
     status_file = StatusReporter(run_dir)
     _log_env_levers(sched)
     watcher = LeverWatcher(run_dir / "levers.json", base_levers)
@@ -121,7 +123,7 @@ def _open_telemetry(db_path: Path, setup: EngineSetup, args, feed) -> tuple[Tele
     else:
         try:
             writer.start_run(run_started_row(setup, args, feed.describe(), sys.argv))
-            setup.scheduler._emit = writer.emit
+            setup.scheduler.attach_telemetry(writer.emit)
             return writer, None
         except TelemetryWriteError as exc:
             writer.close("error", timeout_s=1.0)
@@ -135,7 +137,7 @@ def _status_fields(sched, writer, telemetry_error: str | None, state: str) -> di
     return {
         "state": state, "run_id": writer.run_id if writer is not None else None, "tick": sched.tick,
         "num_waiting": len(sched.waiting), "num_active": len(sched.active),
-        "num_prefilling": int(sched.prefilling is not None), "num_done": len(sched.done),
+        "num_prefilling": int(sched.prefilling is not None), "num_done": sched.num_done,
         "num_preemptions": sched.num_preemptions,
         "telemetry": "off" if writer is None and telemetry_error is None else
                      "failing" if (writer.error if writer is not None else telemetry_error) else "ok",

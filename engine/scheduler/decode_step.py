@@ -114,7 +114,7 @@ def preempt(sched: Scheduler, victim: Request, *, prefill_request: Request | Non
     blocks_before = sched.runner.block_manager.num_free
     reason = PREEMPT_FOR_PREFILL if prefill_request is not None else PREEMPT_FOR_DECODE
     sched.finish(victim, "error", reason)
-    sched.done.append(victim)
+    sched.mark_done([victim])
     sched.num_preemptions += 1
     sched.emit(ev.Preemption(
         tick=sched.tick, t_ns=sched.now_ns(), victim_request_id=victim.request_id,

@@ -41,7 +41,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.prefilling: Request | None = None
         self.active: list[Request] = []
-        self.done: list[Request] = []
+        # Ended requests, oldest first; a long-running server keeps only the newest
+        # (keep_recent_done) so memory stays flat, tests and replays keep them all.
+        self.done: list[Request] | deque[Request] = []
+        self.num_done = 0
         self.last_path = ev.PATH_IDLE
         self.num_preemptions = 0
         model = runner.model
@@ -54,7 +57,19 @@ class Scheduler:
         self.prefix = prefix_step.PrefixStep(self) if prefix_cache else None
         self.levers = self._refuse_unsupported(levers, "off", source="init", version=None)
 
+    def mark_done(self, requests) -> None:
+        self.done.extend(requests)
+        self.num_done += len(requests)
+
+    def keep_recent_done(self, num: int) -> None:
+        """Bound ``done`` to the newest ``num`` requests (their rows are already in telemetry)."""
+        self.done = deque(self.done, maxlen=num)
+
     # ---- telemetry --------------------------------------------------------------------
+    def attach_telemetry(self, emit: Emit | None) -> None:
+        """Send every event from now on to ``emit`` (the writer's, once its run has started)."""
+        self._emit = emit
+
     def now_ns(self) -> int:
         """Monotonic ns since the run started: the time axis of every row."""
         return self._clock_ns() - self._t0_ns
@@ -127,7 +142,7 @@ class Scheduler:
                 prompt_tokens, (list, tuple)) else []
             request.status, request.error, request.finish_reason = ev.REQ_REJECTED, str(exc), "error"
             request.finished_ns = request.arrival_ns
-            self.done.append(request)
+            self.mark_done([request])
             self.emit_request(request, "rejected", str(exc))
             return request
         request = Request(request_id, tokens, params, self.now_ns(), self.tick, conversation_id)
@@ -197,7 +212,7 @@ class Scheduler:
         if self.prefilling is not None and self.prefilling.finished_ns is not None:
             ended.append(self.prefilling)
             self.prefilling = None
-        self.done.extend(ended)
+        self.mark_done(ended)
         return len(ended)
 
     # ---- endings --------------------------------------------------------------------------
@@ -219,6 +234,6 @@ class Scheduler:
         """End everything still queued or running (shutdown)."""
         for request in list(self.waiting) + ([self.prefilling] if self.prefilling else []) + self.active:
             self.finish(request, "error", f"cancelled: {reason}")
-        self.done.extend(self.waiting)
+        self.mark_done(self.waiting)
         self.waiting.clear()
         self._retire()
