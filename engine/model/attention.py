@@ -14,7 +14,7 @@ from torch import nn
 from engine.cache.kv_store import KVStore
 from engine.model.batch import ForwardBatch
 from engine.model.config import ModelConfig
-from engine.model.layers import PartialRotary, ZeroCenteredRMSNorm
+from engine.model.layers import FusedLinear, PartialRotary, ZeroCenteredRMSNorm
 
 
 class GatedAttention(nn.Module):
@@ -30,7 +30,8 @@ class GatedAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
         self.q_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps)
-        self.fused_qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.fused_qkv: FusedLinear | None = None
+        self.fused_o: FusedLinear | None = None
 
     def fuse(self) -> None:
         """One GEMM for q (with gate), k and v."""
@@ -38,12 +39,13 @@ class GatedAttention(nn.Module):
         bias = None
         if self.q_proj.bias is not None:
             bias = torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]).detach()
-        self.fused_qkv = (weight, bias)
+        self.fused_qkv = FusedLinear(weight, bias)
+        self.fused_o = FusedLinear(self.o_proj.weight, self.o_proj.bias)
 
     def _project(self, x: torch.Tensor):
         q_size, kv_size = self.num_heads * self.head_dim * 2, self.num_kv_heads * self.head_dim
         if self.fused_qkv is not None:
-            return F.linear(x, *self.fused_qkv).split([q_size, kv_size, kv_size], dim=-1)
+            return self.fused_qkv(x).split([q_size, kv_size, kv_size], dim=-1)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVStore, rotary: PartialRotary,
@@ -65,7 +67,8 @@ class GatedAttention(nn.Module):
             outputs.append(self._decode_attention(q[split:], batch, kv))
         out = torch.cat(outputs, dim=0) if len(outputs) > 1 else outputs[0]  # [T, H, D]
         out = out * torch.sigmoid(gate)
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        out = out.reshape(tokens, self.num_heads * self.head_dim)
+        return self.fused_o(out) if self.fused_o is not None else self.o_proj(out)
 
     def _prefill_attention(self, q: torch.Tensor, batch: ForwardBatch, kv: KVStore) -> torch.Tensor:
         seg = batch.prefill

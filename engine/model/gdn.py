@@ -20,7 +20,7 @@ from torch import nn
 from engine.cache.ssm_pool import SSMPool
 from engine.model.batch import ForwardBatch
 from engine.model.config import ModelConfig
-from engine.model.layers import GatedRMSNorm
+from engine.model.layers import FusedLinear, GatedRMSNorm
 
 CHUNK_SIZE = 64
 
@@ -127,20 +127,22 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
-        self.fused_in: torch.Tensor | None = None
+        self.fused_in: FusedLinear | None = None
+        self.fused_out: FusedLinear | None = None
         self.decay_rate: tuple[torch.Tensor, torch.Tensor] | None = None  # (-exp(A_log), dt_bias), fuse()
 
     def fuse(self) -> None:
         """One GEMM for the four input projections (qkv, z, b, a)."""
-        self.fused_in = torch.cat([self.in_proj_qkv.weight, self.in_proj_z.weight, self.in_proj_b.weight,
-                                   self.in_proj_a.weight], dim=0).detach()
+        self.fused_in = FusedLinear(torch.cat([self.in_proj_qkv.weight, self.in_proj_z.weight,
+                                               self.in_proj_b.weight, self.in_proj_a.weight], dim=0))
+        self.fused_out = FusedLinear(self.out_proj.weight)
         # The decay constants in float32, so the hot path does not recompute exp(A_log) per forward.
         self.decay_rate = (-self.A_log.detach().float().exp(), self.dt_bias.detach().float())
 
     def _project(self, x: torch.Tensor):
         sizes = [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads]
         if self.fused_in is not None:
-            return F.linear(x, self.fused_in).split(sizes, dim=-1)
+            return self.fused_in(x).split(sizes, dim=-1)
         return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, pool: SSMPool) -> torch.Tensor:
@@ -192,7 +194,8 @@ class GatedDeltaNet(nn.Module):
 
         core = torch.cat(outputs, dim=0) if len(outputs) > 1 else outputs[0]  # [T, Hv, Dv]
         core = self.norm(core.to(x.dtype), z.view(num_tokens, self.num_v_heads, self.head_v_dim))
-        return self.out_proj(core.reshape(num_tokens, self.value_dim))
+        core = core.reshape(num_tokens, self.value_dim)
+        return self.fused_out(core) if self.fused_out is not None else self.out_proj(core)
 
     def _prefill_with_capture(self, window: torch.Tensor, q, k, v, g, beta, state: torch.Tensor,
                               capture: SSMCapture) -> tuple[torch.Tensor, torch.Tensor]:

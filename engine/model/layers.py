@@ -1,9 +1,41 @@
-"""Building blocks shared by the Qwen3.5 layers: norms, SwiGLU MLP, partial rotary embedding."""
+"""Building blocks shared by the Qwen3.5 layers: norms, SwiGLU MLP, partial rotary embedding, prepacked linears."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+# Rows from which a oneDNN-prepacked weight beats MKL's sgemm (measured on AVX2 CPUs, float32):
+# 5-10% faster at prefill sizes (hundreds of rows), 2x slower for a single decode row.
+PACKED_MIN_ROWS = 64
+
+
+def _can_prepack(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+class FusedLinear:
+    """``y = x @ weight^T + bias`` over a fixed weight, with a oneDNN-prepacked copy for many-row inputs.
+
+    The copy is made once (``weight`` [out, in] float32 on CPU); inputs of at least
+    ``PACKED_MIN_ROWS`` rows (prefill chunks) use it, fewer rows (decode) keep MKL's GEMV/GEMM.
+    On other devices or dtypes it is a plain ``F.linear``.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = True):
+        self.weight = weight.detach()
+        self.bias = None if bias is None else bias.detach()
+        self.packed = None
+        if prepack and _can_prepack(self.weight):
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 512)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, in] -> [T, out]."""
+        if self.packed is not None and x.dim() == 2 and x.shape[0] >= PACKED_MIN_ROWS and x.dtype == torch.float32:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
 
 
 def _rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -61,18 +93,19 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-        self.fused_gate_up: torch.Tensor | None = None
+        self.fused_gate_up: FusedLinear | None = None
+        self.fused_down: FusedLinear | None = None
 
     def fuse(self) -> None:
         """Concatenate gate and up weights so the hot path does one GEMM instead of two."""
-        self.fused_gate_up = torch.cat([self.gate_proj.weight, self.up_proj.weight], dim=0).detach()
+        self.fused_gate_up = FusedLinear(torch.cat([self.gate_proj.weight, self.up_proj.weight], dim=0))
+        self.fused_down = FusedLinear(self.down_proj.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_gate_up is not None:
-            gate, up = F.linear(x, self.fused_gate_up).split(self.intermediate_size, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+            gate, up = self.fused_gate_up(x).split(self.intermediate_size, dim=-1)
+            return self.fused_down(F.silu(gate) * up)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class PartialRotary(nn.Module):

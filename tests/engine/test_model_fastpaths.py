@@ -6,6 +6,7 @@ import torch
 
 from engine.model.batch import build_batch
 from engine.model.gdn import chunked_gated_delta_rule, recurrent_gated_delta_step
+from engine.model.layers import PACKED_MIN_ROWS, FusedLinear
 from engine.model.loader import load_model
 from engine.model.runner import ModelRunner
 from engine.sequence import SequenceState
@@ -54,6 +55,26 @@ def test_chunked_rule_matches_token_by_token():
                                           step_state)
         assert torch.allclose(out[:, t], step_out[0], atol=1e-4)
     assert torch.allclose(final, step_state[0], atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, PACKED_MIN_ROWS - 1, PACKED_MIN_ROWS, 300])
+def test_fused_linear_matches_plain_linear(rows):
+    """The oneDNN-prepacked path (many rows) and the MKL path (few rows) both equal F.linear."""
+    gen = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(96, 80, generator=gen), torch.randn(96, generator=gen)
+    x = torch.randn(rows, 80, generator=gen)
+    layer = FusedLinear(weight, bias)
+    if torch.backends.mkldnn.is_available():
+        assert layer.packed is not None  # float32 on CPU: the prefill copy exists
+    assert torch.allclose(layer(x), torch.nn.functional.linear(x, weight, bias), atol=1e-4)
+
+
+def test_fused_linear_does_not_prepack_other_dtypes():
+    weight = torch.randn(8, 4, dtype=torch.bfloat16)
+    layer = FusedLinear(weight)
+    assert layer.packed is None
+    x = torch.randn(PACKED_MIN_ROWS, 4, dtype=torch.bfloat16)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, weight))
 
 
 def test_consecutive_slot_range_is_detected():
