@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
-from telemetry.levers import LeverValues, LeversReadResult, read_levers_file
+from telemetry.levers import MAX_FILE_BYTES, LeverValues, LeversReadResult, levers_from_bytes
 
 log = logging.getLogger("chunkscope.levers")
 
@@ -100,11 +100,11 @@ class LeverWatcher:
         if not (self._dirty.is_set() or self._stat_changed()):
             return None
         self._dirty.clear()
-        result = _read_regular_file(self.path, self.base)
-        if result is None:
+        found = _read_once(self.path, self.base)
+        if found is None:
             return None                      # deleted: keep the last good values
+        result, digest = found
         if result.error is not None:
-            digest = _digest(self.path)
             if digest == self._last_rejected_digest:
                 return None                  # already reported this exact bad content
             self._last_rejected_digest = digest
@@ -118,26 +118,26 @@ class LeverWatcher:
         return LeverUpdate(result.values, changes, result.version, None)
 
 
-def _read_regular_file(path: str, base: LeverValues) -> LeversReadResult | None:
-    """Read the file only if it is a regular file (opening a FIFO would block the loop); None if absent."""
+def _read_once(path: str, base: LeverValues) -> tuple[LeversReadResult, str] | None:
+    """Validate the file from ONE read, with the digest of exactly those bytes; None if absent.
+
+    Reading twice (once to validate, once to fingerprint a rejection) would let a good file
+    that lands in between be fingerprinted for the bad content and report it again.
+    O_NONBLOCK: a FIFO in the file's place must never block the scheduler loop.
+    """
     try:
-        mode = os.stat(path).st_mode
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
         return None
     except OSError as exc:
-        return LeversReadResult(base, None, {}, f"{path}: cannot read: {exc.strerror or exc}")
-    if not stat.S_ISREG(mode):
-        return LeversReadResult(base, None, {}, f"{path}: not a regular file (a directory, FIFO or device)")
-    result = read_levers_file(path, base)
-    return None if result.version is None and result.error is None else result  # removed meanwhile
-
-
-def _digest(path: str) -> str:
-    try:
-        st = os.stat(path)
-        if not stat.S_ISREG(st.st_mode):  # never open a FIFO: it would block
-            return f"special:{st.st_mode}:{st.st_ino}"
-        with open(path, "rb") as handle:
-            return hashlib.sha256(handle.read(1 << 17)).hexdigest()
-    except OSError as exc:
-        return f"unreadable:{exc.errno}"
+        return LeversReadResult(base, None, {}, f"{path}: cannot read: {exc.strerror or exc}"), \
+            f"unreadable:{exc.errno}"
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        return LeversReadResult(base, None, {}, f"{path}: not a regular file (a directory, FIFO or "
+                                                f"device)"), f"special:{st.st_mode}:{st.st_ino}"
+    with os.fdopen(fd, "rb") as handle:
+        raw = handle.read(MAX_FILE_BYTES + 1)
+    digest = hashlib.sha256(raw).hexdigest()
+    return levers_from_bytes(raw, base, path, size=st.st_size), digest

@@ -292,13 +292,19 @@ def read_levers_file(path: str | os.PathLike, previous: LeverValues) -> LeversRe
         return LeversReadResult(previous, None, {})
     except OSError as exc:
         return LeversReadResult(previous, None, {}, f"{path}: cannot read: {exc.strerror or exc}")
+    return levers_from_bytes(raw, previous, path, size=size)
+
+
+def levers_from_bytes(raw: bytes, previous: LeverValues, source: str, *, size: int | None = None) -> LeversReadResult:
+    """Validate levers-file content already read; levers it names override ``previous``."""
+    size = len(raw) if size is None else size
     try:
         if size > MAX_FILE_BYTES:
             raise LeversError(f"file is {size} bytes, over the {MAX_FILE_BYTES}-byte limit")
         version, file_values = validate_file_bytes(raw)
         values = previous.replace(**file_values)
     except LeversError as exc:
-        return LeversReadResult(previous, None, {}, f"{path}: {exc}")
+        return LeversReadResult(previous, None, {}, f"{source}: {exc}")
     return LeversReadResult(values, version, values.changes_from(previous))
 
 
