@@ -6,7 +6,8 @@ import pytest
 from engine.workload.request import WorkloadError
 from engine.workload.trace import AZURE_CITATION, TraceWorkload, read_trace
 
-AZURE = Path("/work/shared/traces/azure_conv_2023.csv")
+# The shared trace sits beside the checkout (../shared), in CI as here.
+AZURE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "azure_conv_2023.csv"
 
 SMALL = """TIMESTAMP, ContextTokens, GeneratedTokens
 2023-11-16 18:15:46.6805900,374,44
