@@ -25,12 +25,21 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, batch, kv, pool, rotary, cos, sin):
+    def forward(self, x, batch, kv, pool, rotary, cos, sin, keep_rows: torch.Tensor | None = None):
+        """x: [T, hidden] -> [T, hidden], or [R, hidden] for the rows in ``keep_rows``.
+
+        The mixer always runs on every row (each one writes its K/V or advances the SSM state);
+        ``keep_rows`` only drops the others before the residual add and the MLP, which the last
+        layer needs for the logits rows alone.
+        """
         normed = self.input_layernorm(x)
         if self.is_linear:
-            x = x + self.linear_attn(normed, batch, pool)
+            mixed = self.linear_attn(normed, batch, pool)
         else:
-            x = x + self.self_attn(normed, batch, kv, rotary, cos, sin)
+            mixed = self.self_attn(normed, batch, kv, rotary, cos, sin)
+        if keep_rows is not None:
+            x, mixed = x.index_select(0, keep_rows), mixed.index_select(0, keep_rows)  # [R, hidden]
+        x = x + mixed
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -93,8 +102,9 @@ class Qwen35ForCausalLM(nn.Module):
         """Returns logits [R, V] for the rows in ``logits_rows`` (all rows when None)."""
         x = self.model.embed_tokens(batch.token_ids)  # [T, hidden]
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
-        for layer in self.model.layers:
+        *body, last = self.model.layers
+        for layer in body:
             x = layer(x, batch, kv, pool, self.rotary, cos, sin)
-        if logits_rows is not None:
-            x = x.index_select(0, logits_rows)
+        # Rows without logits stop after the last mixer: their MLP output would feed nothing.
+        x = last(x, batch, kv, pool, self.rotary, cos, sin, keep_rows=logits_rows)  # [R, hidden]
         return self.lm_head(self.model.norm(x)).float()

@@ -116,3 +116,26 @@ def test_decode_logits_do_not_depend_on_slot_order(model):
     for order in ([3, 1, 0, 2], [0, 2, 3, 1]):
         for a, b in zip(in_place, run(order)):
             assert (a - b).abs().max().item() <= 1e-5
+
+
+def test_logits_rows_subset_equals_full_forward_rows(model):
+    """The last layer skips its MLP for rows without logits; the kept rows' logits are unchanged."""
+    prompt = [(7 * i + 3) % model.config.vocab_size for i in range(40)]
+
+    def forward(rows):
+        runner = ModelRunner(model, num_kv_blocks=8, num_ssm_slots=1)
+        seq = SequenceState(0)
+        runner.admit(seq)
+        runner.block_manager.allocate(seq, len(prompt))
+        batch = build_batch((prompt, 0, seq.block_table, seq.ssm_slot), [], runner.kv_block_size)
+        return model(batch, runner.kv_store, runner.ssm_pool, rows), runner
+
+    full, full_runner = forward(None)  # [40, V]
+    rows = torch.tensor([39, 5, 17])
+    subset, subset_runner = forward(rows)  # [3, V]
+    assert subset.shape == (3, model.config.vocab_size)
+    assert (subset - full[rows]).abs().max().item() <= 1e-5
+    # No row dropped before the mixers: the caches hold the same state either way.
+    assert torch.equal(subset_runner.ssm_pool.recurrent, full_runner.ssm_pool.recurrent)
+    empty, _ = forward(torch.tensor([], dtype=torch.long))
+    assert empty.shape == (0, model.config.vocab_size)
