@@ -156,13 +156,16 @@ def timeline_figure(
         traces = _forward_bars(forwards)
     traces += _stream_traces(stream_events, links) + _marker_traces(preemptions, lever_changes)
     fig = go.Figure(traces)
+    # Drawn in its own frame (live_timeline.py), outside Streamlit's chart theme: an explicit
+    # template (Streamlit's default one holds placeholder colours its own chart swaps) and
+    # automargin so the lane names are not clipped.
     fig.update_layout(
-        barmode="overlay", uirevision=TIMELINE_UIREVISION, height=380,
+        template="plotly_white", barmode="overlay", uirevision=TIMELINE_UIREVISION, height=380,
         margin={"l": 10, "r": 10, "t": 30, "b": 40},
         legend={"orientation": "h", "y": 1.12},
         xaxis={"title": "ms since run start", "range": list(x_range) if x_range else None},
         yaxis={"tickmode": "array", "tickvals": [LANE_Y[lane] for lane in LANES], "ticktext": list(LANES),
-               "range": [-0.5, len(LANES) - 0.5], "zeroline": False, "fixedrange": True},
+               "range": [-0.5, len(LANES) - 0.5], "zeroline": False, "fixedrange": True, "automargin": True},
     )
     return fig
 

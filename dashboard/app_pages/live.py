@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import charts, context, data, engine_panel, prefix_panel
+from dashboard import charts, context, data, engine_panel, live_timeline, prefix_panel
 from dashboard.context import RunContext
 from dashboard.db import DataUnavailable
 
@@ -43,7 +43,7 @@ def render(ctx: RunContext) -> None:
     win = data.timeline_window(ctx.db, ctx.run_id, ctx.version, float(window_s))
     fig = charts.timeline_figure(win.forwards, win.stream_events, win.links, win.preemptions,
                                  win.lever_changes, (win.start_ms, win.end_ms))
-    st.plotly_chart(fig, key="live_timeline", width="stretch")
+    live_timeline.render(fig, key="live_timeline", revision=end_ns)   # stays mounted: no blank frame, zoom kept
     mode = "bucketed into WebGL segments" if win.is_bucketed else "one bar per forward"
     st.caption(f"last {window_s} s of run {ctx.run_id} ({ctx.run.get('status')}): {win.num_forwards} forwards, "
                f"{mode}; {len(win.stream_events)} stream events, {len(win.preemptions)} preemptions, "
