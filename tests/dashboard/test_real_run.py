@@ -12,7 +12,10 @@ from telemetry.levers import LEVERS
 
 
 def charts(at):
-    return [decode_spec(c.proto.spec) for c in at.get("plotly_chart")]
+    specs = [c.proto.spec for c in at.get("plotly_chart")]
+    # the Live timeline is drawn by its own keyed frame (dashboard/live_timeline.py), spec in its args
+    specs += [json.loads(c.proto.json_args)["spec"] for c in at.get("component_instance")]
+    return [decode_spec(spec) for spec in specs]
 
 
 def chart_with(at, **layout):
