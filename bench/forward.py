@@ -11,7 +11,7 @@ transformers, then a reference GEMM, back to back, and the table reports per-rou
 Load then hits both sides alike and the ratios stay meaningful even when wall times do not.
 
     python bench/forward.py [--models tiny,smol] [--rounds 3] [--steps 4] [--threads 1]
-                            [--dtype float32|bfloat16] [--no-hf]
+                            [--dtype float32|bfloat16] [--no-hf] [--clock wall|cpu]
 """
 from __future__ import annotations
 
@@ -39,9 +39,7 @@ def gemm_seconds(dtype: torch.dtype, size: int = 1024) -> float:
     """Seconds for one [size, size] @ [size, size] GEMM (2 * size^3 FLOPs)."""
     a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     a @ b
-    start = time.perf_counter()
-    a @ b
-    return time.perf_counter() - start
+    return seconds(lambda: a @ b)
 
 
 def build(name: str, dtype: torch.dtype) -> Qwen35ForCausalLM:
@@ -54,10 +52,15 @@ def build(name: str, dtype: torch.dtype) -> Qwen35ForCausalLM:
     return model
 
 
+# perf_counter (wall) or thread_time (CPU seconds of this thread: with --threads 1 all the work runs
+# here, and time spent descheduled on a shared machine is not counted against either side).
+CLOCK = time.perf_counter
+
+
 def seconds(fn) -> float:
-    start = time.perf_counter()
+    start = CLOCK()
     fn()
-    return time.perf_counter() - start
+    return CLOCK() - start
 
 
 class Ours:
@@ -176,13 +179,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (both sides)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    parser.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                        help="cpu: thread CPU time (steadier on a loaded machine; meaningful with --threads 1)")
     args = parser.parse_args()
     for name, value in (("--rounds", args.rounds), ("--steps", args.steps), ("--threads", args.threads)):
         if value < 1:
             parser.error(f"{name} must be >= 1, got {value}")
+    global CLOCK
+    CLOCK = time.thread_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    print(f"threads={torch.get_num_threads()} dtype={args.dtype} rounds={args.rounds} steps={args.steps}")
+    print(f"threads={torch.get_num_threads()} dtype={args.dtype} rounds={args.rounds} steps={args.steps} clock={args.clock}")
     for name in args.models.split(","):
         if name not in ("tiny", "smol"):
             parser.error(f"--models: unknown model {name!r} (tiny, smol)")
