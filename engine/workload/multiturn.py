@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Iterator
 
 from engine.workload.request import (
+    build_config,
+    check_sampling_mix,
     RequestSpec,
     TokenDrawer,
     WorkloadError,
@@ -60,18 +62,12 @@ class MultiTurnConfig:
         if self.user_len_min > self.user_len_max:
             raise WorkloadError(f"user_len_min {self.user_len_min} is above user_len_max {self.user_len_max}")
         check_positive("output_len", self.output_len, integer=True)
-        if not isinstance(self.greedy_fraction, (int, float)) or not 0 <= self.greedy_fraction <= 1:
-            raise WorkloadError(f"greedy_fraction must be in [0, 1], got {self.greedy_fraction!r}")
-        if not isinstance(self.seed, int):
-            raise WorkloadError(f"seed must be an int, got {self.seed!r}")
+        check_sampling_mix(self.greedy_fraction, self.seed)
 
 
 class MultiTurnWorkload:
     def __init__(self, *, vocab_size: int, excluded_ids: Iterable[int] = (), **config: Any):
-        try:
-            self.config = MultiTurnConfig(**config)
-        except TypeError as exc:
-            raise WorkloadError(f"multiturn workload: {exc}") from None
+        self.config = build_config(MultiTurnConfig, "multiturn", config)
         self.tokens = TokenDrawer(vocab_size, excluded_ids)
 
     def __iter__(self) -> Iterator[RequestSpec]:

@@ -105,6 +105,22 @@ def clipped_lognormal(rng: random.Random, median: float, sigma: float, low: int,
     return int(min(high, max(low, round(value))))
 
 
+def check_sampling_mix(greedy_fraction: Any, seed: Any) -> None:
+    """The two knobs every generated workload shares: the greedy share and the seed."""
+    if not isinstance(greedy_fraction, (int, float)) or not 0 <= greedy_fraction <= 1:
+        raise WorkloadError(f"greedy_fraction must be in [0, 1], got {greedy_fraction!r}")
+    if not isinstance(seed, int):
+        raise WorkloadError(f"seed must be an int, got {seed!r}")
+
+
+def build_config(config_cls: type, kind: str, config: dict[str, Any]) -> Any:
+    """``config_cls(**config)``; an unknown or missing option becomes a WorkloadError naming it."""
+    try:
+        return config_cls(**config)
+    except TypeError as exc:
+        raise WorkloadError(f"{kind} workload: {exc}") from None
+
+
 def check_positive(name: str, value: Any, *, allow_zero: bool = False, integer: bool = False) -> None:
     kind = int if integer else (int, float)
     ok = isinstance(value, kind) and not isinstance(value, bool) and (value >= 0 if allow_zero else value > 0)

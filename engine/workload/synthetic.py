@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Iterator
 
 from engine.workload.request import (
+    build_config,
+    check_sampling_mix,
     RequestSpec,
     TokenDrawer,
     WorkloadError,
@@ -57,10 +59,7 @@ class SyntheticConfig:
             check_positive(f"{which}_len_max", high, integer=True)
             if low > high:
                 raise WorkloadError(f"{which}_len_min {low} is above {which}_len_max {high}")
-        if not isinstance(self.greedy_fraction, (int, float)) or not 0 <= self.greedy_fraction <= 1:
-            raise WorkloadError(f"greedy_fraction must be in [0, 1], got {self.greedy_fraction!r}")
-        if not isinstance(self.seed, int):
-            raise WorkloadError(f"seed must be an int, got {self.seed!r}")
+        check_sampling_mix(self.greedy_fraction, self.seed)
 
 
 def arrival_gaps(rng: random.Random, num: int, rate: float, arrival: str, cv: float) -> list[float]:
@@ -74,10 +73,7 @@ def arrival_gaps(rng: random.Random, num: int, rate: float, arrival: str, cv: fl
 
 class SyntheticWorkload:
     def __init__(self, *, vocab_size: int, excluded_ids: Iterable[int] = (), **config: Any):
-        try:
-            self.config = SyntheticConfig(**config)
-        except TypeError as exc:
-            raise WorkloadError(f"synthetic workload: {exc}") from None
+        self.config = build_config(SyntheticConfig, "synthetic", config)
         self.tokens = TokenDrawer(vocab_size, excluded_ids)
 
     def __iter__(self) -> Iterator[RequestSpec]:

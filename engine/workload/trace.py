@@ -26,6 +26,7 @@ from engine.workload.request import (
     TokenDrawer,
     WorkloadError,
     check_positive,
+    check_sampling_mix,
     greedy_sampling,
     length_summary,
     mixed_sampling,
@@ -109,8 +110,7 @@ class TraceWorkload:
             check_positive("limit", limit, integer=True)
         if max_prompt_len is not None:
             check_positive("max_prompt_len", max_prompt_len, integer=True)
-        if not isinstance(greedy_fraction, (int, float)) or not 0 <= greedy_fraction <= 1:
-            raise WorkloadError(f"greedy_fraction must be in [0, 1], got {greedy_fraction!r}")
+        check_sampling_mix(greedy_fraction, seed)
         self.path = Path(path)
         rows = read_trace(self.path)
         if start >= len(rows):
