@@ -29,3 +29,22 @@ def _none_for_nan(x):
 
 def spec(json_text: str) -> dict:
     return _decode(json.loads(json_text))
+
+
+def charts(at) -> list[dict]:
+    """Every figure an AppTest page drew, decoded: st.plotly_chart specs and the Live timeline's."""
+    specs = [c.proto.spec for c in at.get("plotly_chart")]
+    # the Live timeline is drawn by its own keyed frame (dashboard/live_timeline.py), spec in its args
+    specs += [json.loads(c.proto.json_args)["spec"] for c in at.get("component_instance")]
+    return [spec(s) for s in specs]
+
+
+def chart_with(at, **layout) -> dict:
+    for figure in charts(at):
+        if all(figure["layout"].get(k) == v for k, v in layout.items()):
+            return figure
+    raise AssertionError(f"no chart with layout {layout}")
+
+
+def texts(at) -> str:
+    return " ".join(str(m.value) for m in list(at.markdown) + list(at.caption))

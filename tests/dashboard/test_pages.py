@@ -5,27 +5,9 @@ never from the dashboard's own queries.
 """
 import json
 
-from plotly_spec import spec as decode_spec
+from plotly_spec import chart_with, charts, texts
 
 from dashboard.timeline_chart import TIMELINE_UIREVISION
-
-
-def charts(at):
-    specs = [c.proto.spec for c in at.get("plotly_chart")]
-    # the Live timeline is drawn by its own keyed frame (dashboard/live_timeline.py), spec in its args
-    specs += [json.loads(c.proto.json_args)["spec"] for c in at.get("component_instance")]
-    return [decode_spec(spec) for spec in specs]
-
-
-def chart_with(at, **layout):
-    for spec in charts(at):
-        if all(spec["layout"].get(k) == v for k, v in layout.items()):
-            return spec
-    raise AssertionError(f"no chart with layout {layout}")
-
-
-def texts(at):
-    return " ".join(str(m.value) for m in list(at.markdown) + list(at.caption))
 
 
 def test_live_counters_timeline_and_latency(app, run_fixture):
