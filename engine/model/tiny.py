@@ -71,7 +71,7 @@ def ensure_tiny_checkpoint() -> Path:
         random_init(model, TINY_SEED)
         write_checkpoint(model, staging)
         build_byte_tokenizer().save(str(staging / "tokenizer.json"))
-        (staging / MARKER).write_text(json.dumps({"version": TINY_VERSION, "seed": TINY_SEED, "eos": EOS}))
+        (staging / MARKER).write_text(json.dumps(_marker()))
         if directory.exists():
             shutil.rmtree(directory)
         os.replace(staging, directory)
@@ -85,8 +85,13 @@ def ensure_tiny_checkpoint() -> Path:
     return directory
 
 
+def _marker() -> dict:
+    """What the cached checkpoint was built from: a change to any of it rebuilds the cache."""
+    return {"version": TINY_VERSION, "seed": TINY_SEED, "eos": EOS, "config": TINY_CONFIG.to_hf_dict()}
+
+
 def _is_current(marker: Path) -> bool:
     try:
-        return json.loads(marker.read_text()).get("version") == TINY_VERSION
+        return json.loads(marker.read_text()) == _marker()
     except (OSError, ValueError):
         return False

@@ -16,7 +16,8 @@ START_TIMEOUT_S = 90.0   # importing torch on a loaded 2-core CI box is slow
 
 def start_serve(run_dir: Path, *args: str) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    env = {k: v for k, v in env.items() if not k.startswith("CHUNKSCOPE_")}
+    # Lever variables would change the run under test; the checkpoint cache location must stay.
+    env = {k: v for k, v in env.items() if not k.startswith("CHUNKSCOPE_") or k == "CHUNKSCOPE_CACHE"}
     run_dir.mkdir(parents=True, exist_ok=True)
     # stderr goes to a file: a pipe nobody drains could fill up and block the engine.
     with open(run_dir / "serve.stderr", "a") as stderr:
