@@ -106,9 +106,11 @@ LEVERS: tuple[Lever, ...] = (
           "histogram, tick duration, ITL p99.",
           bounds=(1, 1 << 20)),
     Lever("speculation", str, "off",
-          "Speculative decoding kind: off, ngram (prompt lookup), mtp (multi-token prediction "
-          "head), self (self-speculative). A speculative step blocks mixing at decode width 1. "
-          "Watch: blocker speculation in chunks, drafts dropped events, tokens/s.",
+          "Speculative decoding kind: off, ngram (prompt-lookup drafts verified in one forward), "
+          "mtp (multi-token prediction head), self (self-speculative); the engine refuses a kind "
+          "the loaded model cannot run (Qwen3.5 checkpoints here have no MTP head). A speculative "
+          "step runs at decode width 1 and blocks mixing there. Watch: spec_step events "
+          "(drafted / accepted), blocker speculation in chunks, drafts dropped, tokens/s.",
           choices=SPECULATION_CHOICES),
     Lever("no_mtp_minp", bool, False,
           "Disable min-p filtering when sampling under MTP speculation (min_p treated as 0) so "
