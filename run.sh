@@ -41,12 +41,6 @@ start() {
   local run_dir=${RUN_DIR:-runs/default}
   local engine_cmd=("$VENV/bin/python" -m engine serve --model tiny --run-dir "$run_dir" --workload synthetic --rate 4)
   local dash_cmd=("$VENV/bin/python" -m streamlit run dashboard/app.py --server.address 127.0.0.1 --server.port "$port" -- --run-dir "$run_dir")
-  if [ ! -f engine/serve.py ] || [ ! -f dashboard/app.py ]; then
-    echo "[run] engine or dashboard not built yet; would run:"
-    echo "  ${engine_cmd[*]}"
-    echo "  ${dash_cmd[*]}"
-    return 0
-  fi
   mkdir -p "$run_dir"
   "${engine_cmd[@]}" &
   local engine_pid=$!
