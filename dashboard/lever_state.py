@@ -15,6 +15,7 @@ import pandas as pd
 
 from dashboard.db import query_df
 from telemetry.levers import LEVERS_BY_NAME, LeversError, defaults, read_levers_file, write_levers_file
+from telemetry.schema import json_value
 
 
 @dataclass(frozen=True)
@@ -65,13 +66,6 @@ def write_change(path: Path, name: str, value: Any, telemetry_version: int | Non
     return version
 
 
-def _decode(value: Any) -> Any:
-    """lever_changes stores old / new as JSON text."""
-    if isinstance(value, str):
-        try:
-            return json.loads(value)
-        except ValueError:
-            return value
     return value
 
 
@@ -102,7 +96,7 @@ def lever_rows(pending: PendingFile, changes: pd.DataFrame, start_levers: dict[s
         applied_id = -1
         if len(applied_row):
             r = applied_row.iloc[0]
-            applied, tick, source, applied_id = _decode(r["new"]), int(r["tick"]), r["source"], int(r["id"])
+            applied, tick, source, applied_id = json_value(r["new"]), int(r["tick"]), r["source"], int(r["id"])
         rejection = None
         if len(rejected_row) and int(rejected_row.iloc[0]["id"]) > applied_id:
             r = rejected_row.iloc[0]

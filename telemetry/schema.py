@@ -147,6 +147,16 @@ def codec_for(cls: type) -> RowCodec:
     return codec
 
 
+def json_value(value: Any) -> Any:
+    """A JSON-text column (lever_changes.old / new, ...) read back as its value; other text as is."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    return value
+
+
 def decode_row(cls: type, row: dict[str, Any]) -> Any:
     """Stored row -> dataclass instance; unknown columns (run_id, id) are ignored."""
     values: dict[str, Any] = {}

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from telemetry.reader import TelemetryReader
+from telemetry.schema import json_value
 
 TOP_PREEMPTIONS = 10
 
@@ -74,7 +75,7 @@ def build_summary_md(db_path: str | Path, run_id: int, manifest: dict[str, Any])
     lines += ["Start values: " + ", ".join(f"`{k}={_cell(v)}`" for k, v in
                                           manifest.get("levers", {}).get("start", {}).items()), ""]
     lines += _table(["tick", "lever", "old", "new", "source", "status", "reason"],
-                    [[c["tick"], c["name"], _json(c["old"]), _json(c["new"]), c["source"], c["status"], c["reason"]]
+                    [[c["tick"], c["name"], json_value(c["old"]), json_value(c["new"]), c["source"], c["status"], c["reason"]]
                      for c in levers]) if levers else ["No lever changes."]
     lines += ["", f"## Top preemptions ({summary.get('preemptions', 0)} in all)", ""]
     if top:
@@ -94,11 +95,4 @@ def _ids(text: str | None, limit: int = 12) -> str:
     return ", ".join(ids[:limit]) + (f" (+{len(ids) - limit})" if len(ids) > limit else "")
 
 
-def _json(value: Any) -> Any:
-    """lever_changes.old/new are stored as JSON text; show the value itself."""
-    if isinstance(value, str):
-        try:
-            return json.loads(value)
-        except ValueError:
-            return value
     return value
