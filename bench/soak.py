@@ -95,6 +95,7 @@ def main() -> int:
     args = parser.parse_args()
     os.chdir(ROOT)   # .streamlit/config.toml
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="chunkscope-soak-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     engine = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--model", "tiny", "--run-dir", str(run_dir),
                                "--rate", str(args.rate)], env=env, stdout=subprocess.DEVNULL,
