@@ -94,7 +94,11 @@ def _run_mixed(sched: Scheduler, req: Request, chunk: ChunkPlan, row: ev.ChunkDe
     row.path = ev.PATH_MIXED
     req.chunk_offset += chunk.length
     prefix_step.on_chunk_done(sched, req, chunk)
+    # As the reference: the default stream waits on the prefill stream before each sampling,
+    # once for the newborn's first token (last chunk) and once for the decode rows.
     if chunk.is_last:
+        sched.streams.record(EVENT_PREFILL_DONE, STREAM_PREFILL)
+        sched.streams.wait(STREAM_DEFAULT, EVENT_PREFILL_DONE)
         _first_token(sched, req, prefill_logits)
     sched.streams.record(EVENT_PREFILL_DONE, STREAM_PREFILL)
     sched.streams.wait(STREAM_DEFAULT, EVENT_PREFILL_DONE)
