@@ -93,6 +93,10 @@ def _run_mixed(sched: Scheduler, req: Request, chunk: ChunkPlan, row: ev.ChunkDe
         return 0
     row.path = ev.PATH_MIXED
     req.chunk_offset += chunk.length
+    # The reference's mixed_forward bounds the prefill's SSM state after every chunk (on the
+    # default stream); doing it here too keeps mixed and plain chunks token-identical.
+    with sched.streams.use(STREAM_DEFAULT):
+        _normalize(sched, req)
     prefix_step.on_chunk_done(sched, req, chunk)
     # As the reference: the default stream waits on the prefill stream before each sampling,
     # once for the newborn's first token (last chunk) and once for the decode rows.

@@ -172,3 +172,23 @@ def test_prompt_longer_than_the_model_context_is_rejected(tiny, tmp_path):
     raw = {**tiny.config.to_hf_dict(), "max_position_embeddings": 1024}
     (tmp_path / "config.json").write_text(json.dumps(raw))
     assert ModelConfig.from_hf_dict(raw).max_position_embeddings == 1024
+
+
+def test_ssm_state_is_normalized_after_every_chunk_on_both_paths(tiny, monkeypatch):
+    for levers in (defaults(), defaults().replace(bisect_no_mix=True)):
+        runner = ModelRunner(tiny, num_kv_blocks=256, num_ssm_slots=4)
+        calls: list[int] = []
+        original = runner.normalize_ssm_states
+        monkeypatch.setattr(runner, "normalize_ssm_states", lambda seq, *a: calls.append(seq.request_id) or original(seq))
+        rows: list = []
+        sched = Scheduler(runner, levers.replace(max_prefill_tokens=16), emit=rows.append)
+        sched.submit(0, list(range(1, 20)), {"max_tokens": 30})
+        for _ in range(3):
+            sched.step()
+        sched.submit(1, list(range(3, 60)), {"max_tokens": 4})
+        while sched.has_work:
+            sched.step()
+        chunks = [r for r in rows if isinstance(r, ev.ChunkDecision)]
+        assert len(calls) == len(chunks), (levers.bisect_no_mix, calls)
+        expected_path = ev.PATH_PREFILL if levers.bisect_no_mix else ev.PATH_MIXED
+        assert any(c.path == expected_path and c.request_id == 1 for c in chunks)
