@@ -181,7 +181,13 @@ def main() -> None:
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     parser.add_argument("--clock", default="wall", choices=["wall", "cpu"],
                         help="cpu: thread CPU time (steadier on a loaded machine; meaningful with --threads 1)")
+    parser.add_argument("--prepack", action="store_true",
+                        help="oneDNN-prepacked prefill GEMMs (off in the engine by default: memory grows "
+                             "with the number of chunk shapes a server sees)")
     args = parser.parse_args()
+    if args.prepack:
+        from engine.model import layers
+        layers.PREPACK_ENABLED = True
     for name, value in (("--rounds", args.rounds), ("--steps", args.steps), ("--threads", args.threads)):
         if value < 1:
             parser.error(f"{name} must be >= 1, got {value}")

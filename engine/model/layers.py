@@ -1,6 +1,8 @@
 """Building blocks shared by the Qwen3.5 layers: norms, SwiGLU MLP, partial rotary embedding, prepacked linears."""
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -11,8 +13,15 @@ from torch import nn
 PACKED_MIN_ROWS = 64
 
 
+# Off unless CHUNKSCOPE_ONEDNN_PREPACK=1: a serving engine sees a new chunk length almost
+# every tick, and oneDNN's per-shape primitives and buffers then grow resident memory without
+# bound (measured: +470 MB over 6,000 tiny-model ticks, flat without it), which breaks the
+# "memory flat once warm" promise for a ~10% prefill gain. Benchmarks of fixed shapes opt in.
+PREPACK_ENABLED = os.environ.get("CHUNKSCOPE_ONEDNN_PREPACK") == "1"
+
+
 def _can_prepack(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32
+    return (PREPACK_ENABLED and weight.device.type == "cpu" and weight.dtype == torch.float32
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 

@@ -1,11 +1,14 @@
 """The decode fast paths (in-place pool views, the fused [k; q] read) equal the plain recurrence."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from engine.model.batch import build_batch
 from engine.model.gdn import chunked_gated_delta_rule, recurrent_gated_delta_step
+from engine.model import layers
 from engine.model.layers import PACKED_MIN_ROWS, FusedLinear
 from engine.model.loader import load_model
 from engine.model.runner import ModelRunner
@@ -58,7 +61,8 @@ def test_chunked_rule_matches_token_by_token():
 
 
 @pytest.mark.parametrize("rows", [1, PACKED_MIN_ROWS - 1, PACKED_MIN_ROWS, 300])
-def test_fused_linear_matches_plain_linear(rows):
+def test_fused_linear_matches_plain_linear(rows, monkeypatch):
+    monkeypatch.setattr(layers, "PREPACK_ENABLED", True)
     """The oneDNN-prepacked path (many rows) and the MKL path (few rows) both equal F.linear."""
     gen = torch.Generator().manual_seed(rows)
     weight, bias = torch.randn(96, 80, generator=gen), torch.randn(96, generator=gen)
@@ -67,6 +71,12 @@ def test_fused_linear_matches_plain_linear(rows):
     if torch.backends.mkldnn.is_available():
         assert layer.packed is not None  # float32 on CPU: the prefill copy exists
     assert torch.allclose(layer(x), torch.nn.functional.linear(x, weight, bias), atol=1e-4)
+
+
+def test_prepacking_is_off_by_default():
+    """Serving sees a new chunk shape almost every tick; per-shape oneDNN state grows memory."""
+    if os.environ.get("CHUNKSCOPE_ONEDNN_PREPACK") != "1":
+        assert FusedLinear(torch.randn(8, 4)).packed is None
 
 
 def test_fused_linear_does_not_prepack_other_dtypes():
