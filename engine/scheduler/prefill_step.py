@@ -101,11 +101,9 @@ def _run_mixed(sched: Scheduler, req: Request, chunk: ChunkPlan, row: ev.ChunkDe
     # As the reference: the default stream waits on the prefill stream before each sampling,
     # once for the newborn's first token (last chunk) and once for the decode rows.
     if chunk.is_last:
-        sched.streams.record(EVENT_PREFILL_DONE, STREAM_PREFILL)
-        sched.streams.wait(STREAM_DEFAULT, EVENT_PREFILL_DONE)
+        _default_waits_for_prefill(sched)
         _first_token(sched, req, prefill_logits)
-    sched.streams.record(EVENT_PREFILL_DONE, STREAM_PREFILL)
-    sched.streams.wait(STREAM_DEFAULT, EVENT_PREFILL_DONE)
+    _default_waits_for_prefill(sched)
     decode_step.process_logits(sched, decodes, decode_logits)
     return len(decodes)
 
@@ -135,9 +133,14 @@ def _run_plain(sched: Scheduler, req: Request, chunk: ChunkPlan, row: ev.ChunkDe
     _normalize(sched, req)
     prefix_step.on_chunk_done(sched, req, chunk)
     if chunk.is_last:
-        sched.streams.record(EVENT_PREFILL_DONE, STREAM_PREFILL)
-        sched.streams.wait(STREAM_DEFAULT, EVENT_PREFILL_DONE)
+        _default_waits_for_prefill(sched)
         _first_token(sched, req, logits)
+
+
+def _default_waits_for_prefill(sched: Scheduler) -> None:
+    """Record on the prefill stream, make the default stream wait: sampling reads the forward's output."""
+    sched.streams.record(EVENT_PREFILL_DONE, STREAM_PREFILL)
+    sched.streams.wait(STREAM_DEFAULT, EVENT_PREFILL_DONE)
 
 
 def _normalize(sched: Scheduler, req: Request) -> None:
