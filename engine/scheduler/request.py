@@ -87,6 +87,8 @@ class Request:
             output_len=self.num_generated, prefix_hit_tokens=self.prefix_hit_tokens,
             prefix_miss_reason=self.prefix_miss_reason, error=self.error,
             finish_reason=self.finish_reason, sampling=self._sampling_dict(),
-            prompt_tokens=list(self.prompt_tokens), output_tokens=list(self.output_tokens),
+            # The prompt never changes after submit, so the row shares it; the output grows,
+            # so the row gets a copy (the writer encodes it later, on its own thread).
+            prompt_tokens=self.prompt_tokens, output_tokens=list(self.output_tokens),
             conversation_id=self.conversation_id,
         )
