@@ -53,35 +53,26 @@ def chosen_run_id(db: str) -> int | None:
     return ids[0]
 
 
-def current() -> RunContext | None:
-    """The chosen run, or None after telling the user why there is nothing to show."""
+def current(*, quiet: bool = False) -> RunContext | None:
+    """The chosen run, or None after telling the user why there is nothing to show.
+
+    ``quiet``: no message (for widgets drawn before the page body, which speaks instead).
+    """
     run_paths = paths()
     db = str(run_paths.db)
     try:
         run_id = chosen_run_id(db)
         if run_id is None:
-            st.info(f"The telemetry database {db} has no runs yet: start an engine on this run directory.")
+            if not quiet:
+                st.info(f"The telemetry database {db} has no runs yet: start an engine on this run directory.")
             return None
         version = data.run_version(db, run_id)
         run = data.run_row(db, run_id, version) or {}
     except DataUnavailable as exc:
-        show_unavailable(exc)
+        if not quiet:
+            show_unavailable(exc)
         return None
     return RunContext(run_paths, db, run_id, version, run)
-
-
-def current_quiet() -> RunContext | None:
-    """The chosen run without any message (for widgets drawn before the page body)."""
-    run_paths = paths()
-    db = str(run_paths.db)
-    try:
-        run_id = chosen_run_id(db)
-        if run_id is None:
-            return None
-        version = data.run_version(db, run_id)
-        return RunContext(run_paths, db, run_id, version, data.run_row(db, run_id, version) or {})
-    except DataUnavailable:
-        return None
 
 
 def run_page(render: Callable[[RunContext], None]) -> None:
