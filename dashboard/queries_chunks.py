@@ -12,6 +12,7 @@ from pathlib import Path
 import pandas as pd
 
 from dashboard.db import placeholders, query_df, query_one
+from dashboard.queries_totals import run_totals_of
 from telemetry import events as ev
 
 NO_BLOCKER = "(none: mixing allowed)"
@@ -23,7 +24,7 @@ TABLE_COLUMNS = ("tick", "request_id", "offset", "length", "prompt_len", "is_las
                  "max_prefill_tokens", "slice_budget", "ssm_tail_boundary", "path", "can_mix", "mix_blocker",
                  "decode_width", "duration_ns", "outcome", "num_preempted")
 NUM_HIST_BINS = 40
-NEWEST_SCOPE = 50_000          # default view: the newest decisions, so cost does not grow with the run
+NEWEST_SCOPE = 10_000          # default view: the newest decisions (minutes of a busy run), so cost stays flat
 NUM_SHARE_BUCKETS = 60
 
 
@@ -61,8 +62,7 @@ class ChunkFilter:
 
 def scope_start(db: Path, run_id: int, newest: int = NEWEST_SCOPE) -> tuple[int | None, int]:
     """(first tick of the run's newest ``newest`` chunks, or None if the run has fewer; run total)."""
-    total = query_one(db, "SELECT COUNT(*) AS n FROM chunks WHERE run_id = ?", [run_id]) or {}
-    num_total = int(total.get("n") or 0)
+    num_total = int(run_totals_of(db, run_id)["num_chunks"] or 0)   # the writer's count: no pass over the run
     if num_total <= newest:
         return None, num_total
     row = query_one(db, "SELECT tick FROM chunks WHERE run_id = ? ORDER BY tick DESC LIMIT 1 OFFSET ?",

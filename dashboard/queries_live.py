@@ -15,6 +15,7 @@ from pathlib import Path
 import pandas as pd
 
 from dashboard.db import percentile_sql, query_df, query_one
+from dashboard.queries_totals import run_totals_of
 
 MAX_RAW_FORWARDS = 4_000       # past this many forwards in the window, bucket them in SQL (a screen is ~1,500 px wide)
 NUM_BUCKETS = 1_500
@@ -23,6 +24,7 @@ MAX_MARKERS = 500
 ITL_RECENT_TOKENS = 20_000     # live ITL percentiles look at the newest tokens only
 RECENT_REQUESTS = 2_000        # live TTFT / e2e percentiles: the newest requests only
 ITL_SAMPLE_TOKENS = 10_000     # whole-run ITL: sample whole requests down to about this many tokens
+WHOLE_RUN_REQUESTS = 5_000     # whole-run TTFT / e2e: sample request ids down to at most this many
 NS_PER_MS = 1_000_000
 
 
@@ -122,38 +124,46 @@ def _newest(db: Path, sql: str, run_id: int) -> int:
     return 0 if row is None or row["v"] is None else int(row["v"])
 
 
+# Every ``?``-th request id from 0 up to a bound, as index seeks: a whole-run sample costs
+# its own size, not the run's (a ``request_id % step = 0`` filter would visit every row).
+SAMPLED_IDS = ("SELECT request_id FROM (WITH RECURSIVE sampled(request_id) AS (SELECT 0 UNION ALL "
+               "SELECT request_id + ? FROM sampled WHERE request_id + ? <= ?) SELECT request_id FROM sampled)")
+
+
 def latency_percentiles(db: Path, run_id: int, is_recent: bool = True) -> pd.DataFrame:
     """TTFT, ITL and end-to-end p50 / p90 / p99 in ms (one row per metric, with ``scope``).
 
     TTFT and e2e come from ``requests`` rows, ITL from the gap between
     consecutive ``tokens`` of one request. Live (``is_recent``): the newest
     ``RECENT_REQUESTS`` requests and ``ITL_RECENT_TOKENS`` tokens, both
-    primary-key range scans. Whole run: every request, and ITL over an even
-    sample of requests (every k-th id) holding about ``ITL_SAMPLE_TOKENS`` tokens.
+    primary-key range scans. Whole run: an even sample of request ids (every
+    k-th) of at most ``WHOLE_RUN_REQUESTS`` requests for TTFT / e2e, and of about
+    ``ITL_SAMPLE_TOKENS`` tokens for ITL, read by index seeks, so the cost stays
+    flat however long the run grows.
     """
+    max_request = _newest(db, "SELECT MAX(request_id) AS v FROM requests WHERE run_id = ?", run_id)
     if is_recent:
         # request ids start at 0: the bound may go negative, never clamp it to 0
-        min_request = _newest(db, "SELECT MAX(request_id) AS v FROM requests WHERE run_id = ?", run_id) \
-            - RECENT_REQUESTS
+        request_filter, request_params = "AND request_id > ?", [max_request - RECENT_REQUESTS]
         min_token = max(0, _newest(db, "SELECT id AS v FROM tokens WHERE +run_id = ? ORDER BY id DESC LIMIT 1",
                                    run_id) - ITL_RECENT_TOKENS)
         # "+run_id" keeps SQLite on the primary-key range instead of the run's whole index.
         itl_filter, itl_params = "AND id > ?", [min_token]
         scope = f"newest {RECENT_REQUESTS} requests / {ITL_RECENT_TOKENS} tokens"
     else:
-        min_request = -1
-        total = _newest(db, "SELECT SUM(output_len) AS v FROM requests WHERE run_id = ?", run_id)
-        step = max(1, -(-total // ITL_SAMPLE_TOKENS))
-        # the sampled ids come from the small requests table; tokens are then index seeks per request
-        itl_filter = "AND request_id IN (SELECT request_id FROM requests WHERE run_id = ? AND request_id % ? = 0)"
-        itl_params = [run_id, step]
-        scope = "whole run" if step == 1 else f"whole run (ITL over every {step}th request)"
+        step = max(1, -(-(max_request + 1) // WHOLE_RUN_REQUESTS))
+        request_filter, request_params = f"AND request_id IN ({SAMPLED_IDS})", [step, step, max_request]
+        itl_step = max(1, -(-int(run_totals_of(db, run_id)["num_tokens"] or 0) // ITL_SAMPLE_TOKENS))
+        itl_filter, itl_params = f"AND request_id IN ({SAMPLED_IDS})", [itl_step, itl_step, max_request]
+        parts = ([f"TTFT / e2e over every {step}th request"] if step > 1 else []) + \
+            ([f"ITL over every {itl_step}th request"] if itl_step > 1 else [])
+        scope = "whole run" + (f" ({', '.join(parts)})" if parts else "")
     ttft = query_one(db, percentile_sql("SELECT (first_token_ns - arrival_ns) / 1e6 AS v FROM requests "
-                                        "WHERE run_id = ? AND request_id > ? AND first_token_ns IS NOT NULL"),
-                     [run_id, min_request])
+                                        f"WHERE run_id = ? {request_filter} AND first_token_ns IS NOT NULL"),
+                     [run_id, *request_params])
     e2e = query_one(db, percentile_sql("SELECT (finished_ns - arrival_ns) / 1e6 AS v FROM requests "
-                                       "WHERE run_id = ? AND request_id > ? AND finished_ns IS NOT NULL "
-                                       "AND status = 'finished'"), [run_id, min_request])
+                                       f"WHERE run_id = ? {request_filter} AND finished_ns IS NOT NULL "
+                                       "AND status = 'finished'"), [run_id, *request_params])
     itl = query_one(db, percentile_sql(
         "SELECT (t_ns - LAG(t_ns) OVER (PARTITION BY request_id ORDER BY \"index\")) / 1e6 AS v "
         f"FROM tokens WHERE {'+' if is_recent else ''}run_id = ? {itl_filter}"), [run_id, *itl_params])

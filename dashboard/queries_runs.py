@@ -9,6 +9,7 @@ import pandas as pd
 
 from dashboard.db import query_df, query_one
 from dashboard.queries_live import latency_percentiles
+from dashboard.queries_totals import run_totals_of
 from telemetry.procs import is_pid_alive
 
 RUN_COLUMNS = ("run_id", "started_at", "finished_at", "model", "device", "status", "pid", "hostname",
@@ -42,44 +43,27 @@ def run_row(db: Path, run_id: int) -> dict | None:
     return row
 
 
-def _run_rows(db: Path, table: str, run_id: int) -> tuple[str, list]:
-    """WHERE clause covering one run's rows as a primary-key range.
-
-    A run's rows are written together, so its id range is a sequential scan
-    instead of one index lookup per row.
-    """
-    # Rows are appended in tick order, so the first / last tick's ids bound the run:
-    # two seeks on the (run_id, tick) index instead of a pass over all its entries.
-    first = query_one(db, f"SELECT id FROM {table} WHERE run_id = ? ORDER BY tick, id LIMIT 1", [run_id])
-    last = query_one(db, f"SELECT id FROM {table} WHERE run_id = ? ORDER BY tick DESC, id DESC LIMIT 1", [run_id])
-    if first is None or last is None:
-        return "run_id = ?", [run_id]
-    return "id BETWEEN ? AND ? AND +run_id = ?", [min(first["id"], last["id"]), max(first["id"], last["id"]), run_id]
-
-
 def run_metrics(db: Path, run_id: int) -> dict:
-    """Whole-run numbers for the comparison table (all aggregated in SQL)."""
-    where, params = _run_rows(db, "ticks", run_id)
-    ticks = query_one(db, "SELECT COUNT(*) AS num_ticks, COALESCE(SUM(num_prefill_tokens), 0) AS prefill, "
-                          "COALESCE(SUM(num_decode_tokens), 0) AS decode, MAX(t_ns + duration_ns) AS end_ns, "
-                          f"COALESCE(SUM(path = 'mixed'), 0) AS mixed_ticks FROM ticks WHERE {where}",
-                      params) or {}
-    where, params = _run_rows(db, "chunks", run_id)
-    chunks = query_one(db, "SELECT COUNT(*) AS n, COALESCE(SUM(path = 'mixed'), 0) AS mixed FROM chunks "
-                           f"WHERE {where}", params) or {}
+    """Whole-run numbers for the comparison table.
+
+    Tick, chunk and preemption counts come from the writer's running totals (one row read);
+    request counts from the requests table (one row per request); latency from a bounded
+    sample (``latency_percentiles(is_recent=False)``). So a cold render costs about the
+    same at minute 1 and minute 30 of a run.
+    """
+    totals = run_totals_of(db, run_id)
     reqs = query_one(db, "SELECT COUNT(*) AS n, COALESCE(SUM(status = 'finished'), 0) AS finished, "
                          "COALESCE(SUM(status = 'error'), 0) AS errors, COALESCE(SUM(prefix_hit_tokens), 0) AS hit, "
                          "COALESCE(SUM(prompt_len), 0) AS prompt FROM requests WHERE run_id = ?", [run_id]) or {}
-    preempt = query_one(db, "SELECT COUNT(*) AS n FROM preemptions WHERE run_id = ?", [run_id]) or {}
-    duration_s = (ticks.get("end_ns") or 0) / 1e9
+    duration_s = (totals["last_tick_end_ns"] or 0) / 1e9
     latency = latency_percentiles(db, run_id, is_recent=False).set_index("metric")
     metrics = {
         "duration_s": duration_s,
         "requests": reqs.get("n", 0), "finished": reqs.get("finished", 0), "errors": reqs.get("errors", 0),
-        "decode_tok_s": ticks.get("decode", 0) / duration_s if duration_s else None,
-        "prefill_tok_s": ticks.get("prefill", 0) / duration_s if duration_s else None,
-        "preemptions": preempt.get("n", 0),
-        "mixed_share": chunks["mixed"] / chunks["n"] if chunks.get("n") else None,
+        "decode_tok_s": totals["num_decode_tokens"] / duration_s if duration_s else None,
+        "prefill_tok_s": totals["num_prefill_tokens"] / duration_s if duration_s else None,
+        "preemptions": totals["num_preemptions"],
+        "mixed_share": totals["num_mixed_chunks"] / totals["num_chunks"] if totals["num_chunks"] else None,
         "prefix_hit_ratio": reqs["hit"] / reqs["prompt"] if reqs.get("prompt") else None,
         "latency scope": latency["scope"].iloc[0],
     }

@@ -24,6 +24,7 @@ import sqlite_utils
 from sqlite_utils.migrations import Migrations
 
 from telemetry import events as ev
+from telemetry import run_totals
 from telemetry.events import SCHEMA_VERSION  # noqa: F401  (re-exported)
 
 RUNS_TABLE = "runs"
@@ -38,6 +39,8 @@ RUN_EXTRA_COLUMNS: dict[str, type] = {
     "num_events": int,          # rows committed by the writer
     "num_dropped": int,         # rows dropped while the store was failing
     "writer_error": str,        # last store error seen by the writer, if any
+    # whole-run totals maintained by the writer per batch (telemetry/run_totals.py)
+    **{name: int for name in run_totals.COLUMNS},
 }
 
 # Indexes per table, chosen for the dashboard's queries. Each index costs

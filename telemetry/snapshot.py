@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from telemetry import events as ev
-from telemetry import schema
+from telemetry import run_totals, schema
 
 EVENT_TABLES = tuple(cls.TABLE for cls in ev.EVENT_TYPES if cls.TABLE != schema.REQUESTS_TABLE)
 
@@ -106,6 +106,8 @@ def _prune(path: Path, run_id: int, window: TimeWindow) -> None:
             # and not finished before the start), so every row above keeps its request.
             conn.execute("DELETE FROM requests WHERE (:until IS NOT NULL AND coalesce(arrival_ns, t_ns) >= :until) "
                          "OR (:since IS NOT NULL AND finished_ns IS NOT NULL AND finished_ns < :since)", bounds)
+        # The run row's totals must describe the rows the bundle holds (and fill them for older stores).
+        run_totals.recompute(conn, [run_id])
         # Indexes are a fifth of the file and rebuild in milliseconds: ship without them.
         for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND name LIKE 'idx_%'"
                                     ).fetchall():

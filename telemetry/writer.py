@@ -38,11 +38,12 @@ from typing import Any
 
 import sqlite_utils
 
-from telemetry import schema
+from telemetry import run_totals, schema
 from telemetry.events import RunStarted
 from telemetry.procs import is_pid_alive
 
 log = logging.getLogger("telemetry.writer")
+_TOTALS_UPDATE = run_totals.update_sql()
 
 
 class TelemetryWriteError(RuntimeError):
@@ -280,11 +281,13 @@ class TelemetryWriter:
                 db.conn.executemany(codec.insert_sql, rows)
             db.execute("UPDATE runs SET num_events = num_events + ?, writer_wait_ns = ?, num_dropped = ? "
                        "WHERE run_id = ?", [len(events), self.writer_wait_ns, self.num_dropped, run_id])
+            # whole-run totals in the same transaction, so they always match the committed rows
+            db.execute(_TOTALS_UPDATE, run_totals.update_params(run_totals.batch_deltas(by_class), run_id))
 
     def _start_run(self, db: sqlite_utils.Database, command: _Command) -> None:
         row = schema.run_row(command.payload)
         row.update(pid=os.getpid(), hostname=socket.gethostname(), writer_wait_ns=0,
-                   num_events=0, num_dropped=0)
+                   num_events=0, num_dropped=0, **run_totals.zeros())
         with db.atomic():
             command.result = db["runs"].insert(row).last_pk
         self.run_id = command.result

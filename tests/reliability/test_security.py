@@ -25,7 +25,10 @@ VETTED = {
     ("dashboard/queries_chunks.py", "where"): "ChunkFilter.where(): constant clauses, values bound as ?",
     ("dashboard/queries_chunks.py", "cols"): "join of the module's constant column tuple",
     ("dashboard/queries_live.py", "'+' if is_recent else ''"): "an index hint, '+' or ''",
-    ("dashboard/queries_live.py", "itl_filter"): "constant 'AND request_id % ? = 0' with the step bound",
+    ("dashboard/queries_live.py", "itl_filter"): "constant 'AND id > ?' or 'AND request_id IN (SAMPLED_IDS)', "
+                                                 "values bound",
+    ("dashboard/queries_live.py", "request_filter"): "constant 'AND request_id > ?' or 'AND request_id IN "
+                                                     "(SAMPLED_IDS)', values bound",
     ("dashboard/queries_requests.py", "cols"): "join of REQUEST_COLUMNS (constant)",
     ("dashboard/queries_requests.py", "' AND '.join(clauses)"): "constant clauses, values bound as ?",
     ("dashboard/queries_runs.py", "', '.join(RUN_COLUMNS)"): "constant column tuple",
@@ -44,6 +47,12 @@ VETTED = {
     ("telemetry/snapshot.py", "'_'.join(columns)"): "schema.INDEXES constant",
     ("telemetry/snapshot.py", "', '.join((f'[{c}]' for c in columns))"): "schema.INDEXES constant",
     ("telemetry/writer.py", "mode"): "PASSIVE or TRUNCATE, chosen in _checkpoint",
+    ("telemetry/run_totals.py", "', '.join(sets)"): "'col = col + ?' over the TOTALS column constants",
+    ("telemetry/run_totals.py", "names"): "'col = ?' over the TOTALS column constants",
+    ("telemetry/run_totals.py", "aggregates"): "the TOTALS aggregate constants",
+    ("telemetry/run_totals.py", "table"): "the TOTALS table-name constants",
+    ("telemetry/run_totals.py", "columns"): "the TOTALS column constants",
+    ("telemetry/run_totals.py", "', '.join(parts)"): "constant subqueries built from TOTALS",
 }
 
 
