@@ -93,7 +93,9 @@ def run_metrics(db: str, run_id: int, version: Version) -> dict:
 
 @st.cache_data(max_entries=_ENTRIES, show_spinner=False)
 def prefix_view(db: str, run_id: int, version: Version):
-    """(hit ratio buckets, whole-run totals, miss reasons, snapshot event counts)."""
+    """(scope, hit ratio buckets, totals, miss reasons, snapshot event counts) over the newest requests."""
     path = Path(db)
-    return (queries_prefix.hit_ratio_over_time(path, run_id), queries_prefix.totals(path, run_id),
-            queries_prefix.miss_reasons(path, run_id), queries_prefix.snapshot_counts(path, run_id))
+    scope = queries_prefix.recent_scope(path, run_id)
+    return (scope, queries_prefix.hit_ratio_over_time(path, run_id, scope=scope),
+            queries_prefix.totals(path, run_id, scope), queries_prefix.miss_reasons(path, run_id, scope),
+            queries_prefix.snapshot_counts(path, run_id, scope))

@@ -16,11 +16,13 @@ EVENT_LABELS = {"prefix_hit": "prefix hits", "prefix_ssm_cut": "hits cut by SSM"
 
 
 def render(ctx: RunContext) -> None:
-    buckets, totals, reasons, counts = data.prefix_view(ctx.db, ctx.run_id, ctx.version)
+    scope, buckets, totals, reasons, counts = data.prefix_view(ctx.db, ctx.run_id, ctx.version)
     st.subheader("Prefix cache")
+    if scope.num_requests is not None:
+        st.caption(f"Over the {scope.label} (the Runs page has the whole run's hit ratio).")
     cols = st.columns(1 + len(EVENT_LABELS))
     ratio = totals.get("hit_ratio")
-    cols[0].metric("hit ratio (run)", "–" if ratio is None else f"{ratio:.1%}",
+    cols[0].metric(f"hit ratio ({scope.label})", "–" if ratio is None else f"{ratio:.1%}",
                    help=f"{totals.get('hit_tokens', 0):,} of {totals.get('prompt_tokens', 0):,} prompt tokens "
                         f"came from the cache; {totals.get('num_hits', 0)} of {totals.get('num_requests', 0)} "
                         "admitted requests hit")

@@ -24,7 +24,7 @@ MAX_MARKERS = 500
 ITL_RECENT_TOKENS = 20_000     # live ITL percentiles look at the newest tokens only
 RECENT_REQUESTS = 2_000        # live TTFT / e2e percentiles: the newest requests only
 ITL_SAMPLE_TOKENS = 10_000     # whole-run ITL: sample whole requests down to about this many tokens
-WHOLE_RUN_REQUESTS = 5_000     # whole-run TTFT / e2e: sample request ids down to at most this many
+WHOLE_RUN_REQUESTS = 2_000     # whole-run TTFT / e2e: sample request ids down to at most this many
 NS_PER_MS = 1_000_000
 
 

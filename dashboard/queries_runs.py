@@ -46,25 +46,23 @@ def run_row(db: Path, run_id: int) -> dict | None:
 def run_metrics(db: Path, run_id: int) -> dict:
     """Whole-run numbers for the comparison table.
 
-    Tick, chunk and preemption counts come from the writer's running totals (one row read);
-    request counts from the requests table (one row per request); latency from a bounded
-    sample (``latency_percentiles(is_recent=False)``). So a cold render costs about the
+    Counts and sums come from the writer's running totals (one row read), latency from a
+    bounded sample (``latency_percentiles(is_recent=False)``). So a cold render costs about the
     same at minute 1 and minute 30 of a run.
     """
     totals = run_totals_of(db, run_id)
-    reqs = query_one(db, "SELECT COUNT(*) AS n, COALESCE(SUM(status = 'finished'), 0) AS finished, "
-                         "COALESCE(SUM(status = 'error'), 0) AS errors, COALESCE(SUM(prefix_hit_tokens), 0) AS hit, "
-                         "COALESCE(SUM(prompt_len), 0) AS prompt FROM requests WHERE run_id = ?", [run_id]) or {}
     duration_s = (totals["last_tick_end_ns"] or 0) / 1e9
     latency = latency_percentiles(db, run_id, is_recent=False).set_index("metric")
     metrics = {
         "duration_s": duration_s,
-        "requests": reqs.get("n", 0), "finished": reqs.get("finished", 0), "errors": reqs.get("errors", 0),
+        "requests": totals["num_requests"], "finished": totals["num_finished_requests"],
+        "errors": totals["num_error_requests"],
         "decode_tok_s": totals["num_decode_tokens"] / duration_s if duration_s else None,
         "prefill_tok_s": totals["num_prefill_tokens"] / duration_s if duration_s else None,
         "preemptions": totals["num_preemptions"],
         "mixed_share": totals["num_mixed_chunks"] / totals["num_chunks"] if totals["num_chunks"] else None,
-        "prefix_hit_ratio": reqs["hit"] / reqs["prompt"] if reqs.get("prompt") else None,
+        "prefix_hit_ratio": (totals["num_prefix_hit_tokens"] / totals["num_prompt_tokens"]
+                             if totals["num_prompt_tokens"] else None),
         "latency scope": latency["scope"].iloc[0],
     }
     for metric in ("TTFT", "ITL", "e2e"):

@@ -29,16 +29,72 @@ TOTALS: dict[str, tuple[str, str]] = {
     "num_mixed_chunks": ("chunks", "COALESCE(SUM(path = 'mixed'), 0)"),
     "num_preemptions": ("preemptions", "COUNT(*)"),
     "num_tokens": ("tokens", "COUNT(*)"),
+    # requests rows are upserted: the writer adds new state minus the stored state (request_deltas)
+    "num_requests": ("requests", "COUNT(*)"),
+    "num_finished_requests": ("requests", "COALESCE(SUM(status = 'finished'), 0)"),
+    "num_error_requests": ("requests", "COALESCE(SUM(status = 'error'), 0)"),
+    "num_prompt_tokens": ("requests", "COALESCE(SUM(prompt_len), 0)"),
+    "num_prefix_hit_tokens": ("requests", "COALESCE(SUM(prefix_hit_tokens), 0)"),
 }
+REQUEST_COLUMNS = ("request_id", "status", "prompt_len", "prefix_hit_tokens")   # what request_deltas reads
 COLUMNS: tuple[str, ...] = tuple(TOTALS)
 _ADDED = tuple(c for c in COLUMNS if c != "last_tick_end_ns")   # summed; last_tick_end_ns takes the max
 
 
-def batch_deltas(by_class: Mapping[type, list[Any]]) -> dict[str, int | None]:
-    """What one batch adds: counts and sums per total, and the batch's latest tick end (None if no tick)."""
+def request_deltas(new: Iterable[tuple], stored: Iterable[tuple]) -> dict[str, int]:
+    """Request totals a batch adds: its final request states minus the rows they replace.
+
+    Both are ``REQUEST_COLUMNS`` tuples; ``new`` holds one state per request id (the batch's
+    last), ``stored`` the rows already in the table for those ids.
+    """
+    def sums(rows: Iterable[tuple]) -> list[int]:
+        totals = [0, 0, 0, 0, 0]
+        for _, status, prompt_len, hit in rows:
+            totals[0] += 1
+            totals[1] += status == ev.REQ_FINISHED
+            totals[2] += status == ev.REQ_ERROR
+            totals[3] += prompt_len or 0
+            totals[4] += hit or 0
+        return totals
+    names = ("num_requests", "num_finished_requests", "num_error_requests", "num_prompt_tokens",
+             "num_prefix_hit_tokens")
+    return {name: a - b for name, a, b in zip(names, sums(new), sums(stored))}
+
+
+_STORED_COLUMNS = ", ".join(REQUEST_COLUMNS)
+_MAX_IDS = 500          # bound variables per lookup, well under SQLite's limit
+
+
+def upsert_deltas(conn: sqlite3.Connection, run_id: int, columns: tuple[str, ...], rows: list[tuple]
+                  ) -> dict[str, int]:
+    """``request_deltas`` for upserting ``rows`` (insert tuples in ``columns`` order, one per request id).
+
+    Reads the stored rows they will replace, so call it in the batch's transaction before the upsert.
+    """
+    positions = [columns.index(c) for c in REQUEST_COLUMNS]
+    new = [tuple(row[i] for i in positions) for row in rows]
+    ids = [state[0] for state in new]
+    stored: list[tuple] = []
+    for start in range(0, len(ids), _MAX_IDS):
+        part = ids[start:start + _MAX_IDS]
+        marks = ", ".join("?" * len(part))
+        stored += conn.execute(f"SELECT {_STORED_COLUMNS} FROM requests WHERE run_id = ? "
+                               f"AND request_id IN ({marks})", [run_id, *part]).fetchall()
+    return request_deltas(new, stored)
+
+
+def batch_deltas(by_class: Mapping[type, list[Any]], requests: Mapping[str, int] | None = None
+                 ) -> dict[str, int | None]:
+    """What one batch adds: counts and sums per total, and the batch's latest tick end (None if no tick).
+
+    ``requests``: the batch's ``request_deltas`` (zeros when it has no request rows).
+    """
     ticks = by_class.get(ev.Tick, ())
     chunks = by_class.get(ev.ChunkDecision, ())
     return {
+        **dict.fromkeys(("num_requests", "num_finished_requests", "num_error_requests", "num_prompt_tokens",
+                         "num_prefix_hit_tokens"), 0),
+        **(requests or {}),
         "num_ticks": len(ticks),
         "num_prefill_tokens": sum(t.num_prefill_tokens for t in ticks),
         "num_decode_tokens": sum(t.num_decode_tokens for t in ticks),

@@ -86,3 +86,22 @@ def test_prefix_hit_buckets_and_miss_reasons(run_fixture):
     # the synthetic run emits no snapshot events: every kind is present, at zero
     assert queries_prefix.snapshot_counts(run_fixture.db, run_fixture.run1) == dict.fromkeys(
         queries_prefix.SNAPSHOT_KINDS, 0)
+
+
+def test_prefix_recent_scope_covers_the_newest_requests(run_fixture):
+    from dashboard import queries_prefix
+
+    final = run_fixture.final_requests()
+    assert queries_prefix.recent_scope(run_fixture.db, run_fixture.run1) == queries_prefix.WHOLE_RUN  # 30 < 2,000
+    scope = queries_prefix.recent_scope(run_fixture.db, run_fixture.run1, newest=10)
+    newest = max(final)
+    assert scope.min_request_id == newest - 10 and scope.label == "newest 10 requests"
+    recent = [r for r in final.values() if r.request_id > newest - 10 and r.admitted_ns is not None and r.prompt_len]
+    assert scope.min_tick == min(r.arrival_tick for r in final.values() if r.request_id > newest - 10)
+    totals = queries_prefix.totals(run_fixture.db, run_fixture.run1, scope)
+    assert totals["num_requests"] == len(recent)
+    assert totals["hit_tokens"] == sum(r.prefix_hit_tokens for r in recent)
+    buckets = queries_prefix.hit_ratio_over_time(run_fixture.db, run_fixture.run1, scope=scope)
+    assert buckets["num_requests"].sum() == len(recent)
+    whole = queries_prefix.totals(run_fixture.db, run_fixture.run1)
+    assert whole["num_requests"] > totals["num_requests"]

@@ -13,7 +13,7 @@ import pytest
 
 import synthetic_run
 from dashboard import db as dashboard_db
-from dashboard import queries_chunks, queries_live, queries_runs
+from dashboard import queries_chunks, queries_live, queries_prefix, queries_runs
 from telemetry import run_totals
 
 SMALL = dataclasses.replace(synthetic_run.SimConfig(), num_requests=300, seed=3)
@@ -70,16 +70,25 @@ def _chunk_page(path, run_id):
     queries_chunks.mix_share(path, run_id, flt)
 
 
-@pytest.mark.parametrize("view", ["run_metrics", "latency_whole_run", "latency_recent", "chunk_page"])
+def _live_prefix_strip(path, run_id):
+    scope = queries_prefix.recent_scope(path, run_id, newest=100)
+    assert scope.num_requests == 100
+    queries_prefix.hit_ratio_over_time(path, run_id, scope=scope)
+    queries_prefix.totals(path, run_id, scope)
+    queries_prefix.miss_reasons(path, run_id, scope)
+    queries_prefix.snapshot_counts(path, run_id, scope)
+
+
+@pytest.mark.parametrize("view", ["run_metrics", "latency_whole_run", "latency_recent", "chunk_page",
+                                  "live_prefix_strip"])
 def test_whole_run_views_do_not_scale_with_the_run(stores, count_steps, view):
     (small, small_id), (large, large_id) = stores["small"], stores["large"]
     assert _row_count(large, "ticks") > 3.5 * _row_count(small, "ticks")     # the run really is ~4x longer
     fn = {"run_metrics": queries_runs.run_metrics,
           "latency_whole_run": lambda p, r: queries_live.latency_percentiles(p, r, is_recent=False),
           "latency_recent": queries_live.latency_percentiles,
-          "chunk_page": _chunk_page}[view]
+          "chunk_page": _chunk_page, "live_prefix_strip": _live_prefix_strip}[view]
     small_steps, large_steps = count_steps(fn, small, small_id), count_steps(fn, large, large_id)
-    # Only the requests table (one row per request, ~1/30 of the rows) is still read whole.
     assert large_steps < 1.25 * small_steps, (view, small_steps, large_steps)
 
 

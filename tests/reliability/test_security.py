@@ -47,6 +47,8 @@ VETTED = {
     ("telemetry/snapshot.py", "'_'.join(columns)"): "schema.INDEXES constant",
     ("telemetry/snapshot.py", "', '.join((f'[{c}]' for c in columns))"): "schema.INDEXES constant",
     ("telemetry/writer.py", "mode"): "PASSIVE or TRUNCATE, chosen in _checkpoint",
+    ("telemetry/run_totals.py", "_STORED_COLUMNS"): "join of REQUEST_COLUMNS (constant)",
+    ("telemetry/run_totals.py", "marks"): "'?' marks only, one per bound request id",
     ("telemetry/run_totals.py", "', '.join(sets)"): "'col = col + ?' over the TOTALS column constants",
     ("telemetry/run_totals.py", "names"): "'col = ?' over the TOTALS column constants",
     ("telemetry/run_totals.py", "aggregates"): "the TOTALS aggregate constants",

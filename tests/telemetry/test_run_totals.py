@@ -39,10 +39,14 @@ def _event(kind: int, i: int, path: str, n: int):
         return ev.Preemption(tick=i, t_ns=1000 * i, victim_request_id=i % 4, blocks_freed=n)
     if kind == 3:
         return ev.TokenEvent(tick=i, t_ns=1000 * i, request_id=i % 4, index=i, token_id=n)
+    if kind == 4:       # upserted: a request moves through states, several times in one batch too
+        return ev.RequestRecord(tick=i, t_ns=1000 * i, request_id=n % 9, status=STATUSES[(i + n) % len(STATUSES)],
+                                prompt_len=n, prefix_hit_tokens=(n * i) % (n + 1))
     return ev.StreamEvent(tick=i, t_ns=1000 * i)                      # counted in no total
 
 
-events_strategy = st.lists(st.tuples(st.integers(0, 4), st.sampled_from(PATHS), st.integers(0, 300)),
+STATUSES = (ev.REQ_WAITING, ev.REQ_DECODING, ev.REQ_FINISHED, ev.REQ_ERROR, ev.REQ_REJECTED)
+events_strategy = st.lists(st.tuples(st.integers(0, 5), st.sampled_from(PATHS), st.integers(0, 300)),
                            max_size=120)
 
 
@@ -62,6 +66,7 @@ def test_totals_equal_the_rows_at_every_flush(tmp_path_factory, events, batch, f
     stored = run_totals.from_row(_stored(db_path, run_id))
     assert stored == _from_rows(db_path, run_id)
     assert stored["num_ticks"] == sum(kind == 0 for kind, _, _ in events)
+    assert stored["num_requests"] == len({n % 9 for kind, _, n in events if kind == 4})
 
 
 def test_older_runs_fall_back_and_snapshots_recompute(tmp_path):
