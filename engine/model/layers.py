@@ -8,28 +8,43 @@ import torch.nn.functional as F
 from torch import nn
 
 
-# Rows from which a oneDNN-prepacked weight beats MKL's sgemm (measured on AVX2 CPUs, float32):
-# 5-10% faster at prefill sizes (hundreds of rows), 2x slower for a single decode row.
-PACKED_MIN_ROWS = 64
+# Rows from which a oneDNN-prepacked weight beats MKL's sgemm (measured in the smol prefill on an
+# AVX2 CPU, float32, 1 thread): ~9% faster at 512 rows, even at 300, a loss at 100 once padded.
+PACKED_MIN_ROWS = 128
 
+# Weights smaller than this (elements) stay on MKL: oneDNN's per-call overhead loses on short
+# GEMMs (the tiny model's 128-wide projections prefilled 3-14% slower prepacked).
+PACKED_MIN_WEIGHT = 1 << 18
 
-# Off unless CHUNKSCOPE_ONEDNN_PREPACK=1: a serving engine sees a new chunk length almost
-# every tick, and oneDNN's per-shape primitives and buffers then grow resident memory without
-# bound (measured: +470 MB over 6,000 tiny-model ticks, flat without it), which breaks the
-# "memory flat once warm" promise for a ~10% prefill gain. Benchmarks of fixed shapes opt in.
-PREPACK_ENABLED = os.environ.get("CHUNKSCOPE_ONEDNN_PREPACK") == "1"
+# oneDNN builds a primitive per input shape, and a server sees a new row count almost every
+# tick (chunk length + decode rows): unpadded, that grew resident memory without bound (+470 MB
+# over 6,000 tiny-model serving ticks; bench/prepack_memory.py: +200 MB over 400 prefills).
+# Rows are therefore padded up to a step of 1/8 of their power of two (128-255 -> multiples of
+# 16, 256-511 -> 32, 512-1023 -> 64, ...): at most 12.5% padded rows, 8 shapes per octave.
+PACKED_STEPS_PER_OCTAVE = 8
+
+# On unless CHUNKSCOPE_ONEDNN_PREPACK=0: with bucketed row counts the memory stays bounded.
+PREPACK_ENABLED = os.environ.get("CHUNKSCOPE_ONEDNN_PREPACK", "1") != "0"
 
 
 def _can_prepack(weight: torch.Tensor) -> bool:
     return (PREPACK_ENABLED and weight.device.type == "cpu" and weight.dtype == torch.float32
+            and weight.numel() >= PACKED_MIN_WEIGHT
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def packed_rows(rows: int) -> int:
+    """The bucketed row count a prepacked GEMM runs for ``rows`` (>= PACKED_MIN_ROWS) input rows."""
+    step = max(1, (1 << (rows.bit_length() - 1)) // PACKED_STEPS_PER_OCTAVE)
+    return -(-rows // step) * step
 
 
 class FusedLinear:
     """``y = x @ weight^T + bias`` over a fixed weight, with a oneDNN-prepacked copy for many-row inputs.
 
-    The copy is made once (``weight`` [out, in] float32 on CPU); inputs of at least
-    ``PACKED_MIN_ROWS`` rows (prefill chunks) use it, fewer rows (decode) keep MKL's GEMV/GEMM.
+    The copy is made once (``weight`` [out, in] float32 on CPU, at least PACKED_MIN_WEIGHT
+    elements); inputs of at least ``PACKED_MIN_ROWS`` rows (prefill chunks) use it, their row
+    count padded up to ``packed_rows``; fewer rows (decode) keep MKL's GEMV/GEMM.
     On other devices or dtypes it is a plain ``F.linear``.
     """
 
@@ -41,10 +56,19 @@ class FusedLinear:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 512)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, in] -> [T, out]."""
-        if self.packed is not None and x.dim() == 2 and x.shape[0] >= PACKED_MIN_ROWS and x.dtype == torch.float32:
+        """x: [T, in] -> [T, out] (for padded inputs a view of the first T rows)."""
+        rows = x.shape[0]
+        if self.packed is None or x.dim() != 2 or rows < PACKED_MIN_ROWS or x.dtype != torch.float32:
+            return F.linear(x, self.weight, self.bias)
+        padded_rows = packed_rows(rows)
+        if padded_rows == rows:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        # Zero padding rows (garbage could hold NaNs or denormals, which still cost time); each
+        # output row depends on its own input row only, so the real rows are unchanged.
+        padded = x.new_empty(padded_rows, x.shape[1])  # [P, in]
+        padded[:rows] = x
+        padded[rows:].zero_()
+        return torch.ops.mkldnn._linear_pointwise(padded, self.packed, self.bias, "none", [], "")[:rows]
 
 
 def _rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
