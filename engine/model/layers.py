@@ -55,20 +55,42 @@ class FusedLinear:
         if prepack and _can_prepack(self.weight):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 512)
 
+    def can_pack(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` [T, in] takes the prepacked path."""
+        return (self.packed is not None and x.dim() == 2 and x.shape[0] >= PACKED_MIN_ROWS
+                and x.dtype == torch.float32)
+
+    def packed_call(self, x: torch.Tensor, post_op: str = "none", other: torch.Tensor | None = None) -> torch.Tensor:
+        """oneDNN GEMM on already bucketed rows (``pad_rows``): [P, in] -> [P, out].
+
+        ``post_op`` is fused into the GEMM's output pass: "swish" (SiLU), or "mul" / "add"
+        with ``other`` [P, out].
+        """
+        if other is None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, post_op, [], "")
+        return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, post_op)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> [T, out] (for padded inputs a view of the first T rows)."""
-        rows = x.shape[0]
-        if self.packed is None or x.dim() != 2 or rows < PACKED_MIN_ROWS or x.dtype != torch.float32:
+        if not self.can_pack(x):
             return F.linear(x, self.weight, self.bias)
-        padded_rows = packed_rows(rows)
-        if padded_rows == rows:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
-        # Zero padding rows (garbage could hold NaNs or denormals, which still cost time); each
-        # output row depends on its own input row only, so the real rows are unchanged.
-        padded = x.new_empty(padded_rows, x.shape[1])  # [P, in]
-        padded[:rows] = x
-        padded[rows:].zero_()
-        return torch.ops.mkldnn._linear_pointwise(padded, self.packed, self.bias, "none", [], "")[:rows]
+        return self.packed_call(pad_rows(x))[:x.shape[0]]
+
+
+def pad_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [T, in] contiguous with its rows zero-padded up to ``packed_rows(T)`` ([P, in]).
+
+    Zeros, not garbage: a NaN or denormal in a padding row would still cost time. Each output
+    row of a GEMM depends on its own input row only, so the real rows are unchanged.
+    """
+    rows = x.shape[0]
+    padded_rows = packed_rows(rows)
+    if padded_rows == rows:
+        return x.contiguous()
+    padded = x.new_empty(padded_rows, x.shape[1])  # [P, in]
+    padded[:rows] = x
+    padded[rows:].zero_()
+    return padded
 
 
 def _rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -128,17 +150,34 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.fused_gate_up: FusedLinear | None = None
         self.fused_down: FusedLinear | None = None
+        self.packed_gate: FusedLinear | None = None  # prepacked gate / up halves, set by fuse()
+        self.packed_up: FusedLinear | None = None
 
     def fuse(self) -> None:
-        """Concatenate gate and up weights so the hot path does one GEMM instead of two."""
-        self.fused_gate_up = FusedLinear(torch.cat([self.gate_proj.weight, self.up_proj.weight], dim=0))
+        """Concatenate gate and up weights so the hot path does one GEMM instead of two.
+
+        Where the weights are prepacked, gate and up are packed apart instead: prefill then runs
+        gate with SiLU fused into its GEMM and up with the product fused into its own, so no
+        separate pass reads and writes the [T, intermediate] activations.
+        """
+        weight = torch.cat([self.gate_proj.weight, self.up_proj.weight], dim=0)
+        self.fused_gate_up = FusedLinear(weight, prepack=False)
         self.fused_down = FusedLinear(self.down_proj.weight)
+        gate, up = weight.split(self.intermediate_size)  # views: the packed copies are the only new memory
+        self.packed_gate, self.packed_up = FusedLinear(gate), FusedLinear(up)
+        if self.packed_gate.packed is None or self.packed_up.packed is None or self.fused_down.packed is None:
+            self.packed_gate = self.packed_up = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused_gate_up is not None:
-            gate, up = self.fused_gate_up(x).split(self.intermediate_size, dim=-1)
-            return self.fused_down(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.fused_gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.packed_gate is not None and self.packed_gate.can_pack(x):
+            padded = pad_rows(x)  # [P, hidden]
+            act = self.packed_gate.packed_call(padded, "swish")  # [P, intermediate]
+            act = self.packed_up.packed_call(padded, "mul", act)
+            return self.fused_down.packed_call(act)[:x.shape[0]]
+        gate, up = self.fused_gate_up(x).split(self.intermediate_size, dim=-1)
+        return self.fused_down(F.silu(gate) * up)
 
 
 class PartialRotary(nn.Module):
