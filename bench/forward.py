@@ -11,7 +11,7 @@ transformers, then a reference GEMM, back to back, and the table reports per-rou
 Load then hits both sides alike and the ratios stay meaningful even when wall times do not.
 
     python bench/forward.py [--models tiny,smol] [--rounds 3] [--steps 4] [--threads 1]
-                            [--dtype float32|bfloat16] [--no-hf] [--clock wall|cpu]
+                            [--dtype float32|bfloat16] [--no-hf] [--clock wall|cpu] [--no-prepack]
 """
 from __future__ import annotations
 
@@ -181,13 +181,13 @@ def main() -> None:
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     parser.add_argument("--clock", default="wall", choices=["wall", "cpu"],
                         help="cpu: thread CPU time (steadier on a loaded machine; meaningful with --threads 1)")
-    parser.add_argument("--prepack", action="store_true",
-                        help="oneDNN-prepacked prefill GEMMs (off in the engine by default: memory grows "
-                             "with the number of chunk shapes a server sees)")
+    parser.add_argument("--no-prepack", action="store_true",
+                        help="MKL sgemm only: no oneDNN-prepacked prefill GEMMs (the engine prepacks by default; "
+                             "CHUNKSCOPE_ONEDNN_PREPACK=0 does the same)")
     args = parser.parse_args()
-    if args.prepack:
+    if args.no_prepack:
         from engine.model import layers
-        layers.PREPACK_ENABLED = True
+        layers.PREPACK_ENABLED = False
     for name, value in (("--rounds", args.rounds), ("--steps", args.steps), ("--threads", args.threads)):
         if value < 1:
             parser.error(f"{name} must be >= 1, got {value}")

@@ -1,13 +1,6 @@
 """Gated DeltaNet: the linear-attention layer of Qwen3.5, over per-sequence states in the SSM pool.
 
-State per head is a matrix S [Dk, Dv]. One token t does
-    S <- exp(g_t) * S
-    u_t = beta_t * (v_t - k_t^T S)          (the delta: what S fails to predict)
-    S <- S + k_t u_t^T
-    o_t = q_t^T S
-The prefill path evaluates the same recurrence a chunk of C tokens at a time: inside a chunk
-the deltas solve a unit lower-triangular system, so the work is a few [C, C] and [C, D]
-matmuls instead of C sequential rank-1 updates.
+The recurrence itself (chunked prefill form, one-token decode step) is in gdn_rule.py.
 """
 from __future__ import annotations
 
@@ -20,9 +13,10 @@ from torch import nn
 from engine.cache.ssm_pool import SSMPool
 from engine.model.batch import ForwardBatch
 from engine.model.config import ModelConfig
+from engine.model.gdn_rule import CHUNK_SIZE, chunked_gated_delta_rule, recurrent_gated_delta_step
 from engine.model.layers import FusedLinear, GatedRMSNorm
 
-CHUNK_SIZE = 64
+__all__ = ["CHUNK_SIZE", "GatedDeltaNet", "SSMCapture", "chunked_gated_delta_rule", "recurrent_gated_delta_step"]
 
 
 @dataclass
@@ -37,69 +31,6 @@ class SSMCapture:
     num_rows: int
     conv: dict[int, torch.Tensor] = field(default_factory=dict)
     recurrent: dict[int, torch.Tensor] = field(default_factory=dict)
-
-
-def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                             beta: torch.Tensor, state: torch.Tensor,
-                             chunk_size: int = CHUNK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
-    """q, k: [H, L, Dk]; v: [H, L, Dv]; g, beta: [H, L]; state: [H, Dk, Dv] (all float32).
-
-    Returns (outputs [H, L, Dv], final state [H, Dk, Dv]).
-    """
-    num_heads, length, _ = q.shape
-    chunk = min(chunk_size, length)
-    pad = (-length) % chunk
-    if pad:
-        # Padded tokens have beta = 0 (no write) and g = 0 (no decay): the state passes through.
-        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-        g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
-    num_chunks = (length + pad) // chunk
-    q, k, v = (x.reshape(num_heads, num_chunks, chunk, -1) for x in (q, k, v))  # [H, N, C, D]
-    g = g.reshape(num_heads, num_chunks, chunk)
-    beta = beta.reshape(num_heads, num_chunks, chunk)
-
-    log_decay = g.cumsum(-1)  # [H, N, C]: log of the decay from chunk start through token i
-    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    # decay_ij = exp(log_decay_i - log_decay_j) for j <= i, else 0
-    diff = log_decay[..., :, None] - log_decay[..., None, :]
-    pair_decay = torch.where(causal, diff, torch.full_like(diff, float("-inf"))).exp()  # [H, N, C, C]
-
-    k_beta = k * beta[..., None]
-    # (I + A) U = beta * V - beta * exp(log_decay) * K S0, A strictly lower: beta_i decay_ij k_i.k_j
-    strictly_lower = (k_beta @ k.transpose(-1, -2)) * pair_decay
-    system = strictly_lower.tril(-1) + torch.eye(chunk, device=q.device)
-    rhs = torch.cat([v * beta[..., None], k_beta * log_decay.exp()[..., None]], dim=-1)
-    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-    u_from_v, u_from_state = solved.split([v.shape[-1], k.shape[-1]], dim=-1)  # [H,N,C,Dv], [H,N,C,Dk]
-
-    intra = (q @ k.transpose(-1, -2)) * pair_decay  # [H, N, C, C]
-    q_decayed = q * log_decay.exp()[..., None]
-    chunk_decay = log_decay[..., -1]  # [H, N]
-    k_to_end = k * (chunk_decay[..., None] - log_decay).exp()[..., None]
-
-    outputs = torch.empty_like(v)
-    for n in range(num_chunks):
-        u = u_from_v[:, n] - u_from_state[:, n] @ state  # [H, C, Dv]
-        outputs[:, n] = q_decayed[:, n] @ state + intra[:, n] @ u
-        state = state * chunk_decay[:, n].exp()[:, None, None] + k_to_end[:, n].transpose(-1, -2) @ u
-    return outputs.reshape(num_heads, num_chunks * chunk, -1)[:, :length], state
-
-
-def recurrent_gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                               beta: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-    """One token per sequence, batched, updating ``state`` IN PLACE; returns outputs [B, H, Dv].
-
-    q, k [B, H, Dk]; v [B, H, Dv]; g, beta [B, H]; state [B, H, Dk, Dv] (may be a view into the pool).
-    With S' = exp(g) S + k delta^T, the output q^T S' = q^T exp(g) S + (q . k) delta, so one
-    [2, Dk] @ [Dk, Dv] matmul per head reads both k^T S and q^T S before the rank-1 update.
-    """
-    batch, heads, key_dim = k.shape
-    state.mul_(g.exp()[..., None, None])
-    read = torch.stack([k, q], dim=-2) @ state  # [B, H, 2, Dv]
-    delta = (v - read[..., 0, :]) * beta[..., None]  # [B, H, Dv]
-    state.view(batch * heads, key_dim, -1).baddbmm_(k.reshape(batch * heads, key_dim, 1),
-                                                     delta.view(batch * heads, 1, -1))
-    return read[..., 1, :] + (q * k).sum(-1, keepdim=True) * delta
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -163,13 +94,14 @@ class GatedDeltaNet(nn.Module):
             window = torch.cat([conv_states[slot].to(mixed.dtype), mixed[:split].t()], dim=-1)  # [C, K-1+L]
             conv_states[slot] = window[:, -(self.conv_kernel - 1):].float()
             conv_out = F.silu(F.conv1d(window[None], weight[:, None, :], groups=self.conv_dim)[0]).t()  # [L, C]
-            q, k, v = self._split_heads(conv_out)  # [L, H, D]
+            # Head-major for the chunked rule; q and k stay at the key heads (the rule groups them).
+            q, k, v = (x.transpose(0, 1) for x in self._split_heads(conv_out, repeat_keys=False))  # [H, L, D]
+            g_heads, beta_heads = g[:split].t(), beta[:split].t()  # [Hv, L]
             capture = getattr(batch, "ssm_capture", None)
             if capture is None:
-                out, final = chunked_gated_delta_rule(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                                      g[:split].t(), beta[:split].t(), rec_states[slot])
+                out, final = chunked_gated_delta_rule(q, k, v, g_heads, beta_heads, rec_states[slot])
             else:
-                out, final = self._prefill_with_capture(window, q, k, v, g[:split], beta[:split],
+                out, final = self._prefill_with_capture(window, q, k, v, g_heads, beta_heads,
                                                         rec_states[slot], capture)
             rec_states[slot] = final
             outputs.append(out.transpose(0, 1))  # [L, Hv, Dv]
@@ -201,26 +133,30 @@ class GatedDeltaNet(nn.Module):
                               capture: SSMCapture) -> tuple[torch.Tensor, torch.Tensor]:
         """The prefill recurrence in two parts, [0, r) and [r, L), recording the state between them.
 
-        window: [conv_dim, K-1+L] (old conv state, then the chunk's inputs); q, k: [L, H, Dk];
-        v: [L, H, Dv]; g, beta: [L, H]; state: [H, Dk, Dv]. Returns (outputs [H, L, Dv], final state).
+        window: [conv_dim, K-1+L] (old conv state, then the chunk's inputs); q, k: [Hk, L, Dk];
+        v: [Hv, L, Dv]; g, beta: [Hv, L]; state: [Hv, Dk, Dv]. Returns (outputs [Hv, L, Dv], final state).
         """
         rows = capture.num_rows
         # After r tokens the conv window holds the last K-1 inputs: columns r .. r+K-2.
         capture.conv[self.linear_index] = window[:, rows:rows + self.conv_kernel - 1].float().clone()
-        parts = [(x[:rows].transpose(0, 1), x[rows:].transpose(0, 1)) for x in (q, k, v, g, beta)]
+        parts = [(x[:, :rows], x[:, rows:]) for x in (q, k, v, g, beta)]
         (q0, q1), (k0, k1), (v0, v1), (g0, g1), (b0, b1) = parts
         head_out, middle = chunked_gated_delta_rule(q0, k0, v0, g0, b0, state)
         tail_out, final = chunked_gated_delta_rule(q1, k1, v1, g1, b1, middle)
         capture.recurrent[self.linear_index] = middle.clone()
         return torch.cat([head_out, tail_out], dim=1), final
 
-    def _split_heads(self, conv_out: torch.Tensor):
-        """[T, conv_dim] -> l2-normalised, scaled q, k and v in float32, k heads repeated to v heads."""
+    def _split_heads(self, conv_out: torch.Tensor, repeat_keys: bool = True):
+        """[T, conv_dim] -> l2-normalised, scaled q, k and v in float32 ([T, H, D] each).
+
+        ``repeat_keys`` repeats the k heads to the v heads (the decode step wants that); the
+        chunked rule takes them unrepeated.
+        """
         tokens = conv_out.shape[0]
         q, k, v = conv_out.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = _l2norm(q.view(tokens, self.num_k_heads, self.head_k_dim)) * self.head_k_dim ** -0.5
         k = _l2norm(k.view(tokens, self.num_k_heads, self.head_k_dim))
         repeat = self.num_v_heads // self.num_k_heads
-        if repeat > 1:
+        if repeat > 1 and repeat_keys:
             q, k = q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)
         return q, k, v.view(tokens, self.num_v_heads, self.head_v_dim)

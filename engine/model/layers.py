@@ -8,28 +8,43 @@ import torch.nn.functional as F
 from torch import nn
 
 
-# Rows from which a oneDNN-prepacked weight beats MKL's sgemm (measured on AVX2 CPUs, float32):
-# 5-10% faster at prefill sizes (hundreds of rows), 2x slower for a single decode row.
-PACKED_MIN_ROWS = 64
+# Rows from which a oneDNN-prepacked weight beats MKL's sgemm (measured in the smol prefill on an
+# AVX2 CPU, float32, 1 thread): ~9% faster at 512 rows, even at 300, a loss at 100 once padded.
+PACKED_MIN_ROWS = 128
 
+# Weights smaller than this (elements) stay on MKL: oneDNN's per-call overhead loses on short
+# GEMMs (the tiny model's 128-wide projections prefilled 3-14% slower prepacked).
+PACKED_MIN_WEIGHT = 1 << 18
 
-# Off unless CHUNKSCOPE_ONEDNN_PREPACK=1: a serving engine sees a new chunk length almost
-# every tick, and oneDNN's per-shape primitives and buffers then grow resident memory without
-# bound (measured: +470 MB over 6,000 tiny-model ticks, flat without it), which breaks the
-# "memory flat once warm" promise for a ~10% prefill gain. Benchmarks of fixed shapes opt in.
-PREPACK_ENABLED = os.environ.get("CHUNKSCOPE_ONEDNN_PREPACK") == "1"
+# oneDNN builds a primitive per input shape, and a server sees a new row count almost every
+# tick (chunk length + decode rows): unpadded, that grew resident memory without bound (+470 MB
+# over 6,000 tiny-model serving ticks; bench/prepack_memory.py: +200 MB over 400 prefills).
+# Rows are therefore padded up to a step of 1/8 of their power of two (128-255 -> multiples of
+# 16, 256-511 -> 32, 512-1023 -> 64, ...): at most 12.5% padded rows, 8 shapes per octave.
+PACKED_STEPS_PER_OCTAVE = 8
+
+# On unless CHUNKSCOPE_ONEDNN_PREPACK=0: with bucketed row counts the memory stays bounded.
+PREPACK_ENABLED = os.environ.get("CHUNKSCOPE_ONEDNN_PREPACK", "1") != "0"
 
 
 def _can_prepack(weight: torch.Tensor) -> bool:
     return (PREPACK_ENABLED and weight.device.type == "cpu" and weight.dtype == torch.float32
+            and weight.numel() >= PACKED_MIN_WEIGHT
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def packed_rows(rows: int) -> int:
+    """The bucketed row count a prepacked GEMM runs for ``rows`` (>= PACKED_MIN_ROWS) input rows."""
+    step = max(1, (1 << (rows.bit_length() - 1)) // PACKED_STEPS_PER_OCTAVE)
+    return -(-rows // step) * step
 
 
 class FusedLinear:
     """``y = x @ weight^T + bias`` over a fixed weight, with a oneDNN-prepacked copy for many-row inputs.
 
-    The copy is made once (``weight`` [out, in] float32 on CPU); inputs of at least
-    ``PACKED_MIN_ROWS`` rows (prefill chunks) use it, fewer rows (decode) keep MKL's GEMV/GEMM.
+    The copy is made once (``weight`` [out, in] float32 on CPU, at least PACKED_MIN_WEIGHT
+    elements); inputs of at least ``PACKED_MIN_ROWS`` rows (prefill chunks) use it, their row
+    count padded up to ``packed_rows``; fewer rows (decode) keep MKL's GEMV/GEMM.
     On other devices or dtypes it is a plain ``F.linear``.
     """
 
@@ -40,11 +55,42 @@ class FusedLinear:
         if prepack and _can_prepack(self.weight):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 512)
 
+    def can_pack(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` [T, in] takes the prepacked path."""
+        return (self.packed is not None and x.dim() == 2 and x.shape[0] >= PACKED_MIN_ROWS
+                and x.dtype == torch.float32)
+
+    def packed_call(self, x: torch.Tensor, post_op: str = "none", other: torch.Tensor | None = None) -> torch.Tensor:
+        """oneDNN GEMM on already bucketed rows (``pad_rows``): [P, in] -> [P, out].
+
+        ``post_op`` is fused into the GEMM's output pass: "swish" (SiLU), or "mul" / "add"
+        with ``other`` [P, out].
+        """
+        if other is None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, post_op, [], "")
+        return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, post_op)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, in] -> [T, out]."""
-        if self.packed is not None and x.dim() == 2 and x.shape[0] >= PACKED_MIN_ROWS and x.dtype == torch.float32:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        """x: [T, in] -> [T, out] (for padded inputs a view of the first T rows)."""
+        if not self.can_pack(x):
+            return F.linear(x, self.weight, self.bias)
+        return self.packed_call(pad_rows(x))[:x.shape[0]]
+
+
+def pad_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [T, in] contiguous with its rows zero-padded up to ``packed_rows(T)`` ([P, in]).
+
+    Zeros, not garbage: a NaN or denormal in a padding row would still cost time. Each output
+    row of a GEMM depends on its own input row only, so the real rows are unchanged.
+    """
+    rows = x.shape[0]
+    padded_rows = packed_rows(rows)
+    if padded_rows == rows:
+        return x.contiguous()
+    padded = x.new_empty(padded_rows, x.shape[1])  # [P, in]
+    padded[:rows] = x
+    padded[rows:].zero_()
+    return padded
 
 
 def _rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -104,17 +150,34 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.fused_gate_up: FusedLinear | None = None
         self.fused_down: FusedLinear | None = None
+        self.packed_gate: FusedLinear | None = None  # prepacked gate / up halves, set by fuse()
+        self.packed_up: FusedLinear | None = None
 
     def fuse(self) -> None:
-        """Concatenate gate and up weights so the hot path does one GEMM instead of two."""
-        self.fused_gate_up = FusedLinear(torch.cat([self.gate_proj.weight, self.up_proj.weight], dim=0))
+        """Concatenate gate and up weights so the hot path does one GEMM instead of two.
+
+        Where the weights are prepacked, gate and up are packed apart instead: prefill then runs
+        gate with SiLU fused into its GEMM and up with the product fused into its own, so no
+        separate pass reads and writes the [T, intermediate] activations.
+        """
+        weight = torch.cat([self.gate_proj.weight, self.up_proj.weight], dim=0)
+        self.fused_gate_up = FusedLinear(weight, prepack=False)
         self.fused_down = FusedLinear(self.down_proj.weight)
+        gate, up = weight.split(self.intermediate_size)  # views: the packed copies are the only new memory
+        self.packed_gate, self.packed_up = FusedLinear(gate), FusedLinear(up)
+        if self.packed_gate.packed is None or self.packed_up.packed is None or self.fused_down.packed is None:
+            self.packed_gate = self.packed_up = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused_gate_up is not None:
-            gate, up = self.fused_gate_up(x).split(self.intermediate_size, dim=-1)
-            return self.fused_down(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.fused_gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.packed_gate is not None and self.packed_gate.can_pack(x):
+            padded = pad_rows(x)  # [P, hidden]
+            act = self.packed_gate.packed_call(padded, "swish")  # [P, intermediate]
+            act = self.packed_up.packed_call(padded, "mul", act)
+            return self.fused_down.packed_call(act)[:x.shape[0]]
+        gate, up = self.fused_gate_up(x).split(self.intermediate_size, dim=-1)
+        return self.fused_down(F.silu(gate) * up)
 
 
 class PartialRotary(nn.Module):

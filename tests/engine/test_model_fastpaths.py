@@ -60,23 +60,38 @@ def test_chunked_rule_matches_token_by_token():
     assert torch.allclose(final, step_state[0], atol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [1, PACKED_MIN_ROWS - 1, PACKED_MIN_ROWS, 300])
+@pytest.mark.parametrize("rows", [1, PACKED_MIN_ROWS - 1, PACKED_MIN_ROWS, 300, 513])
 def test_fused_linear_matches_plain_linear(rows, monkeypatch):
+    """The oneDNN-prepacked path (many rows, padded to a bucket) and the MKL path (few rows) both equal F.linear."""
     monkeypatch.setattr(layers, "PREPACK_ENABLED", True)
-    """The oneDNN-prepacked path (many rows) and the MKL path (few rows) both equal F.linear."""
+    monkeypatch.setattr(layers, "PACKED_MIN_WEIGHT", 0)
     gen = torch.Generator().manual_seed(rows)
     weight, bias = torch.randn(96, 80, generator=gen), torch.randn(96, generator=gen)
     x = torch.randn(rows, 80, generator=gen)
     layer = FusedLinear(weight, bias)
     if torch.backends.mkldnn.is_available():
         assert layer.packed is not None  # float32 on CPU: the prefill copy exists
-    assert torch.allclose(layer(x), torch.nn.functional.linear(x, weight, bias), atol=1e-4)
+    out = layer(x)
+    assert out.shape == (rows, 96)
+    assert torch.allclose(out, torch.nn.functional.linear(x, weight, bias), atol=1e-4)
 
 
-def test_prepacking_is_off_by_default():
-    """Serving sees a new chunk shape almost every tick; per-shape oneDNN state grows memory."""
-    if os.environ.get("CHUNKSCOPE_ONEDNN_PREPACK") != "1":
-        assert FusedLinear(torch.randn(8, 4)).packed is None
+def test_packed_row_buckets_are_few_and_tight():
+    """Bucketing bounds the shapes oneDNN sees (its per-shape state grew memory) for <= 12.5% padding."""
+    buckets = {layers.packed_rows(rows) for rows in range(PACKED_MIN_ROWS, 4097)}
+    assert len(buckets) <= 8 * 5 + 1  # 8 per octave, 128 .. 4096
+    for rows in range(PACKED_MIN_ROWS, 4097):
+        assert rows <= layers.packed_rows(rows) <= rows * 1.125
+
+
+def test_prepacking_follows_the_env_override():
+    """On by default for big float32 CPU weights; CHUNKSCOPE_ONEDNN_PREPACK=0 turns it off."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN")
+    expected = os.environ.get("CHUNKSCOPE_ONEDNN_PREPACK", "1") != "0"
+    assert layers.PREPACK_ENABLED == expected
+    assert (FusedLinear(torch.randn(1024, 256)).packed is not None) == expected
+    assert FusedLinear(torch.randn(8, 4)).packed is None  # too small: oneDNN's overhead would lose
 
 
 def test_fused_linear_does_not_prepack_other_dtypes():

@@ -42,6 +42,30 @@ def test_whole_prompt_logits_match_transformers(hf_checkpoint, name):
     assert (actual - expected).abs().max().item() <= 1e-4
 
 
+@pytest.mark.parametrize("length", [128, 150])  # a bucket exactly, and padded up to 160 rows
+def test_prepacked_prefill_logits_match_transformers(hf_checkpoint, monkeypatch, length):
+    """The oneDNN path (padded rows, SiLU / product fused into the MLP GEMMs) at every position."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN")
+    from engine.model import layers
+    monkeypatch.setattr(layers, "PREPACK_ENABLED", True)
+    monkeypatch.setattr(layers, "PACKED_MIN_WEIGHT", 0)  # the test checkpoints are far below the size limit
+    hf_model, directory = hf_checkpoint("base")
+    model, config, _ = load_model(directory)
+    assert model.model.layers[0].mlp.packed_gate is not None
+    prompt = torch.randint(0, config.vocab_size, (length,), generator=torch.Generator().manual_seed(2)).tolist()
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([prompt])).logits[0]  # [L, V]
+    runner = ModelRunner(model, num_kv_blocks=16, num_ssm_slots=2)
+    seq = SequenceState(0)
+    runner.admit(seq)
+    from engine.model.batch import build_batch
+    runner.block_manager.allocate(seq, len(prompt))
+    batch = build_batch((prompt, 0, seq.block_table, seq.ssm_slot), [], runner.kv_block_size)
+    actual = model(batch, runner.kv_store, runner.ssm_pool)
+    assert (actual - expected).abs().max().item() <= 1e-4
+
+
 @pytest.mark.parametrize("length", [1, 5, 16, 33, 70])
 def test_greedy_continuation_matches_transformers_generate(hf_checkpoint, length):
     hf_model, directory = hf_checkpoint("base")
