@@ -4,7 +4,9 @@ Prints, for the ``tiny`` default and a SmolLM-sized random Qwen3.5 (hidden 576, 
 3:1 linear/full), prefill tok/s on a 512-token prompt and decode tok/s at batch 1, 8 and 32,
 the ratios to transformers, the GEMM FLOP/s measured here, and the share of that GEMM bound
 each side reaches (decode: 2 * parameters FLOPs per token; prefill: the body per token plus
-one LM-head row, as only the last row's logits are computed).
+one LM-head row, as only the last row's logits are computed). ``ceiling`` is the ratio an
+engine doing nothing but its GEMMs at the measured GEMM rate would reach against the same
+transformers time: no implementation on this machine can beat it by much.
 
 The machine is shared, so every measurement is interleaved: each round times ours, then
 transformers, then a reference GEMM, back to back, and the table reports per-round medians.
@@ -162,13 +164,15 @@ def bench_model(name: str, dtype: torch.dtype, rounds: int, steps: int, with_hf:
     theirs_rate = PROMPT_LEN / median["theirs prefill"] if theirs else nan
     print(f"[{name}] params(no embed)={params / 1e6:.1f}M  GEMM {flops / 1e9:.1f} GFLOP/s  "
           f"prefill {PROMPT_LEN}: ours {ours_rate:8.1f} tok/s  transformers {theirs_rate:8.1f} tok/s  "
-          f"ratio {ours_rate / theirs_rate:5.2f}x  GEMM-bound share {prefill_flops / median['ours prefill'] / flops:5.1%}")
+          f"ratio {ours_rate / theirs_rate:5.2f}x  GEMM-bound share {prefill_flops / median['ours prefill'] / flops:5.1%}  "
+          f"ceiling {PROMPT_LEN / theirs_rate / (prefill_flops / flops):5.2f}x")
     for batch in BATCHES:
         ours_rate = batch / median[f"ours b{batch}"]
         theirs_rate = batch / median[f"theirs b{batch}"] if theirs else nan
         print(f"[{name}] decode b{batch:<2}: ours {ours_rate:8.1f} tok/s ({median[f'ours b{batch}'] * 1e3:7.2f} ms/step)  "
               f"transformers {theirs_rate:8.1f} tok/s  ratio {ours_rate / theirs_rate:5.2f}x  "
-              f"GEMM-bound share {ours_rate * 2 * params / flops:5.1%}")
+              f"GEMM-bound share {ours_rate * 2 * params / flops:5.1%}  "
+              f"ceiling {flops / (2 * params * theirs_rate):5.2f}x")
 
 
 def main() -> None:
