@@ -28,18 +28,26 @@ def test_whole_prompt_logits_match_transformers(hf_checkpoint, name):
     hf_model, directory = hf_checkpoint(name)
     model, config, _ = load_model(directory)
     prompt = torch.randint(0, config.vocab_size, (37,), generator=torch.Generator().manual_seed(1)).tolist()
+    assert _max_logit_error(hf_model, model, prompt) <= 1e-4
+
+
+def _max_logit_error(hf_model, model, prompt: list[int]) -> float:
+    """Largest |ours - transformers| over every position's logits of one whole-prompt forward.
+
+    Every position, not just the last: 1-row-of-logits chunks would hide errors in earlier rows,
+    so the full forward runs through the model directly.
+    """
+    from engine.model.batch import build_batch
+
     with torch.no_grad():
         expected = hf_model(torch.tensor([prompt])).logits[0]  # [L, V]
-    runner = ModelRunner(model, num_kv_blocks=8, num_ssm_slots=2)
+    runner = ModelRunner(model, num_kv_blocks=-(-len(prompt) // 16) + 1, num_ssm_slots=2)
     seq = SequenceState(0)
     runner.admit(seq)
-    # Every position's logits, not just the last: run the prompt as 1-row-of-logits chunks would hide
-    # errors in earlier rows, so compare the full forward through the model directly.
-    from engine.model.batch import build_batch
     runner.block_manager.allocate(seq, len(prompt))
     batch = build_batch((prompt, 0, seq.block_table, seq.ssm_slot), [], runner.kv_block_size)
-    actual = model(batch, runner.kv_store, runner.ssm_pool)
-    assert (actual - expected).abs().max().item() <= 1e-4
+    actual = model(batch, runner.kv_store, runner.ssm_pool)  # [L, V]
+    return (actual - expected).abs().max().item()
 
 
 @pytest.mark.parametrize("length", [128, 150])  # a bucket exactly, and padded up to 160 rows
@@ -54,16 +62,7 @@ def test_prepacked_prefill_logits_match_transformers(hf_checkpoint, monkeypatch,
     model, config, _ = load_model(directory)
     assert model.model.layers[0].mlp.packed_gate is not None
     prompt = torch.randint(0, config.vocab_size, (length,), generator=torch.Generator().manual_seed(2)).tolist()
-    with torch.no_grad():
-        expected = hf_model(torch.tensor([prompt])).logits[0]  # [L, V]
-    runner = ModelRunner(model, num_kv_blocks=16, num_ssm_slots=2)
-    seq = SequenceState(0)
-    runner.admit(seq)
-    from engine.model.batch import build_batch
-    runner.block_manager.allocate(seq, len(prompt))
-    batch = build_batch((prompt, 0, seq.block_table, seq.ssm_slot), [], runner.kv_block_size)
-    actual = model(batch, runner.kv_store, runner.ssm_pool)
-    assert (actual - expected).abs().max().item() <= 1e-4
+    assert _max_logit_error(hf_model, model, prompt) <= 1e-4
 
 
 @pytest.mark.parametrize("length", [1, 5, 16, 33, 70])
