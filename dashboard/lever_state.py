@@ -66,9 +66,6 @@ def write_change(path: Path, name: str, value: Any, telemetry_version: int | Non
     return version
 
 
-    return value
-
-
 def latest_changes(db: Path, run_id: int) -> pd.DataFrame:
     """Newest applied and newest rejected change per lever (at most two rows per lever)."""
     return query_df(db, """

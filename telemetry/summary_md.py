@@ -93,6 +93,3 @@ def build_summary_md(db_path: str | Path, run_id: int, manifest: dict[str, Any])
 def _ids(text: str | None, limit: int = 12) -> str:
     ids = [i for i in (text or "").split(",") if i]
     return ", ".join(ids[:limit]) + (f" (+{len(ids) - limit})" if len(ids) > limit else "")
-
-
-    return value
