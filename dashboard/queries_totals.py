@@ -12,8 +12,7 @@ from telemetry import run_totals
 
 
 def run_totals_of(db: Path, run_id: int) -> dict[str, int | None]:
-    """num_ticks, num_prefill_tokens, num_decode_tokens, num_mixed_ticks, last_tick_end_ns, num_chunks,
-    num_mixed_chunks, num_preemptions, num_tokens (see ``telemetry.run_totals.TOTALS``)."""
+    """Every column of ``telemetry.run_totals.TOTALS`` (tick, token, chunk, preemption and request totals)."""
     row = query_one(db, "SELECT * FROM runs WHERE run_id = ?", [run_id]) or {}
     stored = run_totals.from_row(row)
     if stored is not None:

@@ -37,6 +37,7 @@ TOTALS: dict[str, tuple[str, str]] = {
     "num_prefix_hit_tokens": ("requests", "COALESCE(SUM(prefix_hit_tokens), 0)"),
 }
 REQUEST_COLUMNS = ("request_id", "status", "prompt_len", "prefix_hit_tokens")   # what request_deltas reads
+REQUEST_TOTALS = tuple(c for c, (table, _) in TOTALS.items() if table == "requests")
 COLUMNS: tuple[str, ...] = tuple(TOTALS)
 _ADDED = tuple(c for c in COLUMNS if c != "last_tick_end_ns")   # summed; last_tick_end_ns takes the max
 
@@ -47,18 +48,15 @@ def request_deltas(new: Iterable[tuple], stored: Iterable[tuple]) -> dict[str, i
     Both are ``REQUEST_COLUMNS`` tuples; ``new`` holds one state per request id (the batch's
     last), ``stored`` the rows already in the table for those ids.
     """
-    def sums(rows: Iterable[tuple]) -> list[int]:
-        totals = [0, 0, 0, 0, 0]
+    deltas = dict.fromkeys(REQUEST_TOTALS, 0)
+    for sign, rows in ((1, new), (-1, stored)):
         for _, status, prompt_len, hit in rows:
-            totals[0] += 1
-            totals[1] += status == ev.REQ_FINISHED
-            totals[2] += status == ev.REQ_ERROR
-            totals[3] += prompt_len or 0
-            totals[4] += hit or 0
-        return totals
-    names = ("num_requests", "num_finished_requests", "num_error_requests", "num_prompt_tokens",
-             "num_prefix_hit_tokens")
-    return {name: a - b for name, a, b in zip(names, sums(new), sums(stored))}
+            deltas["num_requests"] += sign
+            deltas["num_finished_requests"] += sign * (status == ev.REQ_FINISHED)
+            deltas["num_error_requests"] += sign * (status == ev.REQ_ERROR)
+            deltas["num_prompt_tokens"] += sign * (prompt_len or 0)
+            deltas["num_prefix_hit_tokens"] += sign * (hit or 0)
+    return deltas
 
 
 _STORED_COLUMNS = ", ".join(REQUEST_COLUMNS)
@@ -92,9 +90,7 @@ def batch_deltas(by_class: Mapping[type, list[Any]], requests: Mapping[str, int]
     ticks = by_class.get(ev.Tick, ())
     chunks = by_class.get(ev.ChunkDecision, ())
     return {
-        **dict.fromkeys(("num_requests", "num_finished_requests", "num_error_requests", "num_prompt_tokens",
-                         "num_prefix_hit_tokens"), 0),
-        **(requests or {}),
+        **(requests or dict.fromkeys(REQUEST_TOTALS, 0)),
         "num_ticks": len(ticks),
         "num_prefill_tokens": sum(t.num_prefill_tokens for t in ticks),
         "num_decode_tokens": sum(t.num_decode_tokens for t in ticks),
@@ -107,21 +103,16 @@ def batch_deltas(by_class: Mapping[type, list[Any]], requests: Mapping[str, int]
     }
 
 
-def update_sql() -> str:
-    """``UPDATE runs`` adding a batch's deltas (bind ``batch_deltas`` values in COLUMNS order, then run_id).
-
-    ``NULL + n`` stays NULL, so a run created before these columns existed stays "unknown"
-    rather than becoming a partial count.
-    """
-    sets = [f"{c} = {c} + ?" for c in _ADDED]
-    sets.append("last_tick_end_ns = CASE WHEN ? IS NULL THEN last_tick_end_ns "
-                "ELSE MAX(COALESCE(last_tick_end_ns, 0), ?) END")
-    return f"UPDATE runs SET {', '.join(sets)} WHERE run_id = ?"
+# The SET clause adding a batch's deltas (bind ``update_params``). ``NULL + n`` stays NULL, so a
+# run created before these columns existed stays "unknown" rather than becoming a partial count.
+UPDATE_SET = ", ".join([f"{c} = {c} + ?" for c in _ADDED] + [
+    "last_tick_end_ns = CASE WHEN ? IS NULL THEN last_tick_end_ns ELSE MAX(COALESCE(last_tick_end_ns, 0), ?) END"])
 
 
-def update_params(deltas: Mapping[str, int | None], run_id: int) -> list[Any]:
+def update_params(deltas: Mapping[str, int | None]) -> list[Any]:
+    """Values for ``UPDATE_SET``, in its order."""
     end = deltas["last_tick_end_ns"]
-    return [*(deltas[c] for c in _ADDED), end, end, run_id]
+    return [*(deltas[c] for c in _ADDED), end, end]
 
 
 def zeros() -> dict[str, int | None]:
