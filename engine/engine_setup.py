@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from engine.model.fault import ForwardFault
 from engine.model.loader import load_model
 from engine.model.runner import ModelRunner
 from engine.scheduler.loop import Scheduler
@@ -52,7 +53,9 @@ def checkpoint_dir_of(name_or_dir: str) -> Path:
 
 def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: LeverValues,
                  seed: int = 0, device: str | None = None, dtype: torch.dtype = torch.float32,
-                 emit=None, prefix_cache: bool = True, threads: int | None = None) -> EngineSetup:
+                 emit=None, prefix_cache: bool = True, threads: int | None = None,
+                 fault: ForwardFault | None = None) -> EngineSetup:
+    """``fault``: the test-only forward fault hook (``engine/model/fault.py``), recorded in the config."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     # Tiny ops gain nothing from a thread team, and on a shared, busy machine its
     # spin-waits cost 10x: the tiny model runs single-threaded unless told otherwise.
@@ -64,11 +67,13 @@ def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: Lev
     directory = checkpoint_dir_of(model_name)
     model, config, tokenizer = load_model(directory, dtype=dtype, device=device)
     runner = ModelRunner(model, num_kv_blocks=kv_blocks, num_ssm_slots=ssm_slots,
-                         block_size=BLOCK_SIZE, device=device, dtype=dtype)
+                         block_size=BLOCK_SIZE, device=device, dtype=dtype, fault=fault)
     scheduler = Scheduler(runner, levers, emit=emit, run_seed=seed, prefix_cache=prefix_cache)
     engine_config = {"kv_blocks": kv_blocks, "block_size": BLOCK_SIZE, "ssm_slots": ssm_slots,
                      "device": device, "dtype": str(dtype).removeprefix("torch."), "seed": seed,
                      "prefix_cache": prefix_cache, "threads": torch.get_num_threads()}
+    if fault is not None:
+        engine_config["fault_forward"] = fault.describe()
     return EngineSetup(model_name, directory, model, config, tokenizer, runner, scheduler, engine_config)
 
 

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from engine.engine_setup import build_engine, checkpoint_dir_of, checkpoint_hash
+from engine.model.fault import ForwardFault
 from engine.replay_compare import ReplayedRequest, ReplayedRun, compare, text_report
 from engine.replay_record import RecordedRun, ReplayInputError, load_recorded_run
 from telemetry import events as ev
@@ -134,7 +135,8 @@ def replay_run(recorded: RecordedRun, *, model: str = "tiny", flips: dict[str, A
     torch.set_grad_enabled(False)
     setup = build_engine(model, kv_blocks=config["kv_blocks"], ssm_slots=config["ssm_slots"],
                          levers=levers, seed=int(config.get("seed", 0)), device=device, dtype=dtype,
-                         emit=collect)  # only the rows a comparison needs are kept
+                         emit=collect,  # only the rows a comparison needs are kept
+                         fault=ForwardFault.parse(config["fault_forward"]) if config.get("fault_forward") else None)
     sched = setup.scheduler
     submitted, lever_log = drive(sched, recorded, flips, cut_at_tick=None if flips else recorded.num_ticks)
     # From the submitted objects, not ``sched.done``: Scheduler.stop() ends waiting

@@ -23,7 +23,7 @@ from telemetry.schema import decode_row
 
 # Statuses a request still has when its run ended under it (crash, SIGTERM).
 IN_FLIGHT = (ev.REQ_WAITING, ev.REQ_PREFILLING, ev.REQ_DECODING)
-CANCELLED_PREFIX = "cancelled:"
+CANCELLED_PREFIX = "cancelled:"   # how stores written before the ``cancelled`` status marked it
 
 
 class ReplayInputError(ValueError):
@@ -66,7 +66,7 @@ class RecordedRun:
 
 def is_cut_short(status: str | None, error: str | None) -> bool:
     """True when the run ended before the request could (crash, SIGTERM, replay cut)."""
-    return status in IN_FLIGHT or bool(error and error.startswith(CANCELLED_PREFIX))
+    return status in IN_FLIGHT or status == ev.REQ_CANCELLED or bool(error and error.startswith(CANCELLED_PREFIX))
 
 
 def _connect(db_path: str) -> sqlite3.Connection:

@@ -19,6 +19,7 @@ import torch
 
 from engine.engine_setup import EngineSetup, build_engine, run_started_row
 from engine.lever_watch import LeverWatcher
+from engine.model.fault import ENV_VAR as FAULT_ENV_VAR, ForwardFault
 from engine.workload.request import RequestSpec
 from engine.workload_feed import WorkloadFeed
 from telemetry.levers import defaults, from_env
@@ -61,9 +62,12 @@ def run(args: argparse.Namespace) -> int:
     _setup_logging(run_dir)
     db_path = run_dir / "telemetry.db"
     base_levers = from_env(os.environ)
+    fault = ForwardFault.from_env(os.environ)
+    if fault is not None:
+        log.warning("test fault hook %s armed: forwards carrying %s will raise", FAULT_ENV_VAR, fault.describe())
     setup = build_engine(args.model, kv_blocks=args.kv_blocks, ssm_slots=args.ssm_slots,
                          levers=base_levers, seed=args.seed, prefix_cache=args.prefix_cache,
-                         threads=args.threads)
+                         threads=args.threads, fault=fault)
     feed = WorkloadFeed.from_args(args, setup)
     writer, telemetry_error = None, None
     if not args.no_telemetry:

@@ -3,7 +3,9 @@
 Three streams, as in the reference scheduler: ``default`` (decode, sampling),
 ``prefill`` (prefill chunks) and ``secondary`` (a speculative verify's async
 state copies). The reference's ordering step is: record an event on the
-prefill stream, make the default stream wait on it, then sample.
+prefill stream, make the default stream wait on it, then sample. And before a
+chunk's forward the prefill stream waits for the default stream, so the chunk
+reads the state admission and the decodes left, never an older one.
 
 On CUDA these are real ``torch.cuda.Stream`` and ``torch.cuda.Event``
 objects. On CPU the host equivalent keeps the same API: a record is a host
@@ -43,6 +45,7 @@ STREAM_SECONDARY = "secondary"
 STREAM_NAMES = (STREAM_DEFAULT, STREAM_PREFILL, STREAM_SECONDARY)
 
 EVENT_PREFILL_DONE = "prefill_done"        # prefill chunk finished; default waits before sampling
+EVENT_DEFAULT_DONE = "default_done"        # default stream's work so far; prefill waits before a chunk
 EVENT_SECONDARY_DONE = "secondary_done"    # async state copies of the last verify finished
 
 KIND_RECORD, KIND_WAIT, KIND_SYNC = "record", "wait", "sync"
@@ -145,6 +148,13 @@ class StreamSet:
             elapsed_ms = start.elapsed_time(marker) if start is not None else 0.0
             self._since_sync[stream] = marker
         self._on_event(KIND_SYNC, stream, event_name, seq, None, elapsed_ms)
+        return seq
+
+    def wait_for(self, target_stream: str, source_stream: str, event_name: str) -> int:
+        """Record ``event_name`` on ``source_stream`` and make ``target_stream`` wait for it: work
+        issued on the target from now on runs after everything issued on the source so far."""
+        seq = self.record(event_name, source_stream)
+        self.wait(target_stream, event_name)
         return seq
 
     @contextlib.contextmanager

@@ -44,6 +44,29 @@ REQ_FINISHED = "finished"
 REQ_ERROR = "error"
 REQ_PREEMPTED = "preempted"
 REQ_REJECTED = "rejected"
+REQ_CANCELLED = "cancelled"         # ended by the client (HTTP disconnect) or by the engine's shutdown
+
+# A request row is in flight until it reaches one of the end states.
+IN_FLIGHT_STATUSES = (REQ_WAITING, REQ_PREFILLING, REQ_DECODING)
+END_STATUSES = (REQ_FINISHED, REQ_ERROR, REQ_PREEMPTED, REQ_REJECTED, REQ_CANCELLED)
+REQUEST_STATUSES = IN_FLIGHT_STATUSES + END_STATUSES
+# The end states that count as failures (a summary's ``errors``). Cancelled is not one of them:
+# the client or the shutdown ended the request, not the engine.
+FAILURE_STATUSES = (REQ_ERROR, REQ_PREEMPTED, REQ_REJECTED)
+
+# Chunk outcomes (``ChunkDecision.outcome``).
+OUTCOME_OK = "ok"
+OUTCOME_MIXED_KV_FALLBACK = "mixed_kv_fallback"   # the fused forward found no blocks: the chunk ran plain
+OUTCOME_FAILED_KV = "failed_kv"                   # no blocks and nothing left to preempt: request ended
+OUTCOME_FAILED_FORWARD = "failed_forward"         # the forward raised: request ended (decodes restored)
+OUTCOME_FAILED_FIRST_TOKEN = "failed_first_token"  # the forward ran, sampling token 0 raised: request ended
+CHUNK_OUTCOMES = (OUTCOME_OK, OUTCOME_MIXED_KV_FALLBACK, OUTCOME_FAILED_KV, OUTCOME_FAILED_FORWARD,
+                  OUTCOME_FAILED_FIRST_TOKEN)
+# Outcomes whose chunk tokens were computed (a tick's ``num_prefill_tokens`` counts them).
+COMPUTED_OUTCOMES = (OUTCOME_OK, OUTCOME_MIXED_KV_FALLBACK, OUTCOME_FAILED_FIRST_TOKEN)
+
+# ``GenericEvent.kind`` of a failed forward: one row per failure, naming the requests it ended.
+EVENT_FORWARD_FAILED = "forward_failed"
 
 
 @dataclass
@@ -114,7 +137,7 @@ class ChunkDecision(Event):
     mix_blocker: str | None = None      # one of BLOCK_* or None
     decode_width: int = 0
     duration_ns: int = 0
-    outcome: str = "ok"                 # ok / error / failed_kv
+    outcome: str = OUTCOME_OK           # one of CHUNK_OUTCOMES
     num_preempted: int = 0              # victims this chunk needed
 
 
@@ -157,7 +180,7 @@ class RequestRecord(Event):
     prefix_hit_tokens: int = 0
     prefix_miss_reason: str | None = None
     error: str | None = None
-    finish_reason: str | None = None    # eos / stop / length / error
+    finish_reason: str | None = None    # eos / stop / length / error / cancelled
     sampling: dict[str, Any] = field(default_factory=dict)  # temperature, top_k, top_p, min_p, seed, ...
     prompt_tokens: list[int] = field(default_factory=list)
     output_tokens: list[int] = field(default_factory=list)
@@ -166,7 +189,8 @@ class RequestRecord(Event):
 
 @dataclass
 class RequestEvent(Event):
-    """One lifecycle step (arrived / admitted / prefill_start / first_token / preempted / finished / error)."""
+    """One lifecycle step (arrived / admitted / prefill_start / first_token, then the end: finished /
+    error / preempted / rejected / cancelled)."""
 
     TABLE: ClassVar[str] = "request_events"
     request_id: int = 0

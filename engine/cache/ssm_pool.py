@@ -78,6 +78,23 @@ class SSMPool:
         self.conv[:, slot].copy_(snapshot.conv)
         self.recurrent[:, slot].copy_(snapshot.recurrent)
 
+    def snapshot_slots(self, slots: list[int]) -> SSMSnapshot:
+        """One copy of several slots: conv ``[L, B, conv_dim, K-1]``, recurrent ``[L, B, Hv, Dk, Dv]``."""
+        for slot in slots:
+            self._check_owned(slot)
+        index = torch.tensor(slots, dtype=torch.long, device=self.conv.device)
+        return SSMSnapshot(self.conv.index_select(1, index), self.recurrent.index_select(1, index))
+
+    def restore_slots(self, snapshot: SSMSnapshot, slots: list[int]) -> None:
+        """Put a ``snapshot_slots`` copy back into the same slots."""
+        for slot in slots:
+            self._check_owned(slot)
+        if snapshot.conv.shape[1] != len(slots):
+            raise ValueError(f"SSM snapshot holds {snapshot.conv.shape[1]} slots, asked to restore {len(slots)}")
+        index = torch.tensor(slots, dtype=torch.long, device=self.conv.device)
+        self.conv.index_copy_(1, index, snapshot.conv)
+        self.recurrent.index_copy_(1, index, snapshot.recurrent)
+
     def normalize(self, slot: int, max_norm: float) -> bool:
         """Scale down any head whose recurrent-state Frobenius norm exceeds ``max_norm``.
 

@@ -6,7 +6,8 @@ import torch
 from engine.cache.kv import BlockManager
 from engine.cache.kv_store import KVStore
 from engine.cache.ssm_pool import SSMPool, SSMSnapshot
-from engine.model.batch import build_batch
+from engine.model.batch import ForwardBatch, build_batch
+from engine.model.fault import KIND_DECODE, KIND_MIXED, KIND_PREFILL, ForwardFault
 from engine.model.gdn import SSMCapture
 from engine.model.qwen3_5 import Qwen35ForCausalLM
 from engine.sequence import SequenceState
@@ -17,11 +18,14 @@ class ModelRunner:
 
     The block manager only does bookkeeping; this class allocates blocks before a forward
     (so ``KVCacheExhausted`` leaves everything unchanged) and advances
-    ``seq.num_cached_tokens`` after it.
+    ``seq.num_cached_tokens`` after it. A model call that raises gives its new blocks back
+    and advances no count; only tensor contents may be half-written (the caller restores
+    or discards them). ``fault``: the test-only fault hook (``engine/model/fault.py``).
     """
 
     def __init__(self, model: Qwen35ForCausalLM, num_kv_blocks: int, num_ssm_slots: int,
-                 block_size: int = 16, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+                 block_size: int = 16, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 fault: ForwardFault | None = None):
         self.model = model
         self.config = config = model.config
         self.device = torch.device(device)
@@ -34,6 +38,7 @@ class ModelRunner:
                                 config.linear_key_head_dim, config.linear_value_head_dim, device=self.device)
         # The SSM state a forward captured inside its prefill chunk (``capture_at``), else None.
         self.last_capture: SSMSnapshot | None = None
+        self.fault = fault
 
     # ---- properties the scheduler reads ----------------------------------------------
     @property
@@ -107,7 +112,7 @@ class ModelRunner:
         self._check_tokens(decode_tokens, "decode_tokens")
         for seq in decode_seqs:
             self._slot(seq)
-        self._allocate_all(decode_seqs, prefill_seq, length)
+        grown = self._allocate_all(decode_seqs, prefill_seq, length)
 
         prefill = None
         if prefill_seq is not None:
@@ -122,8 +127,7 @@ class ModelRunner:
         rows = list(range(len(chunk), len(chunk) + len(decode_seqs)))
         if prefill_seq is not None and is_last:
             rows.insert(0, len(chunk) - 1)
-        logits = self.model(batch, self.kv_store, self.ssm_pool,
-                            torch.tensor(rows, dtype=torch.long, device=self.device))  # [R, V]
+        logits = self._call_model(batch, rows, grown, prefill_seq, decode_seqs)  # [R, V]
 
         if capture is not None:
             self.last_capture = self._capture_snapshot(capture, prefill_seq)
@@ -135,6 +139,21 @@ class ModelRunner:
         return prefill_logits, logits[len(rows) - len(decode_seqs):]
 
     # ---- helpers ----------------------------------------------------------------------------
+    def _call_model(self, batch: ForwardBatch, rows: list[int], grown: list[tuple[SequenceState, int]],
+                    prefill_seq: SequenceState | None, decode_seqs: list[SequenceState]) -> torch.Tensor:
+        """The model over ``batch``, logits [R, V] at ``rows``; on an error the new blocks go back."""
+        row_ids = torch.tensor(rows, dtype=torch.long, device=self.device)
+        try:
+            if self.fault is None:
+                return self.model(batch, self.kv_store, self.ssm_pool, row_ids)
+            kind = KIND_DECODE if prefill_seq is None else KIND_MIXED if decode_seqs else KIND_PREFILL
+            ids = [s.request_id for s in ([prefill_seq] if prefill_seq is not None else []) + decode_seqs]
+            with self.fault.armed(self.model, kind, ids):
+                return self.model(batch, self.kv_store, self.ssm_pool, row_ids)
+        except Exception:
+            self._undo_allocation(grown)
+            raise
+
     def _capture_snapshot(self, capture: SSMCapture, seq: SequenceState) -> SSMSnapshot:
         """Stack the per-layer captured states into the pool's snapshot layout."""
         slot = self._slot(seq)
@@ -146,8 +165,11 @@ class ModelRunner:
             recurrent[index] = state
         return SSMSnapshot(conv, recurrent)
 
-    def _allocate_all(self, decode_seqs, prefill_seq, length) -> None:
-        """Allocate every sequence's new blocks, or none of them (KVCacheExhausted leaves no trace)."""
+    def _allocate_all(self, decode_seqs, prefill_seq, length) -> list[tuple[SequenceState, int]]:
+        """Allocate every sequence's new blocks, or none of them (KVCacheExhausted leaves no trace).
+
+        Returns (sequence, blocks before) pairs for ``_undo_allocation``.
+        """
         grown: list[tuple[SequenceState, int]] = []
         try:
             for seq, num_new in [(s, 1) for s in decode_seqs] + ([(prefill_seq, length)] if prefill_seq else []):
@@ -155,9 +177,13 @@ class ModelRunner:
                 self.block_manager.allocate(seq, num_new)
                 grown.append((seq, before))
         except Exception:
-            for seq, before in grown:
-                self._shrink(seq, before)
+            self._undo_allocation(grown)
             raise
+        return grown
+
+    def _undo_allocation(self, grown: list[tuple[SequenceState, int]]) -> None:
+        for seq, before in grown:
+            self._shrink(seq, before)
 
     def _shrink(self, seq: SequenceState, num_blocks: int) -> None:
         """Undo an allocate: drop the blocks appended after ``num_blocks``."""

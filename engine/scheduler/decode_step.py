@@ -6,8 +6,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.cache.kv import KVCacheExhausted
-from engine.scheduler import spec_step
+from engine.scheduler import forward_failure, spec_step
 from engine.scheduler.adaptive import advance, params_for_row
+from engine.scheduler.mixing import decode_order
 from engine.scheduler.preempt import VictimCandidate, choose_victim as pick_victim
 from engine.scheduler.request import Request
 from engine.scheduler.sampling import effective_min_p, sample_next
@@ -22,20 +23,40 @@ PREEMPT_FOR_DECODE = "preempted: KV cache exhausted (a decode step needed a new 
 
 
 def run(sched: Scheduler) -> int:
-    """One decode forward over the whole active batch; returns the tokens computed."""
+    """One decode forward over the whole active batch; returns the tokens computed.
+
+    A forward (or its sampling) that raises ends this batch's requests with the error;
+    the queue is served on (``forward_failure``).
+    """
     _make_room(sched)
     if not sched.active:
         return 0
+    batch = list(sched.active)
+    try:
+        return _forward_and_sample(sched)
+    except Exception as exc:
+        forward_failure.end_requests(sched, batch, exc, stage=forward_failure.STAGE_DECODE, path=ev.PATH_DECODE)
+        return 0
+
+
+def _forward_and_sample(sched: Scheduler) -> int:
     if spec_step.applies(sched):
         num_computed = spec_step.run(sched)
         if num_computed is not None:
             return num_computed
-    sched.active.sort(key=lambda a: a.seq.ssm_slot if a.seq.ssm_slot is not None else -1)
-    batch = list(sched.active)
+    batch = order_batch(sched)
     with sched.streams.use(STREAM_DEFAULT):
         logits = sched.runner.decode([a.seq for a in batch], [a.last_token for a in batch])
     process_logits(sched, batch, logits)
     return len(batch)
+
+
+def order_batch(sched: Scheduler) -> list[Request]:
+    """Put the active requests in decode-row order (``mixing.decode_order``: by SSM slot, a
+    sequence without one by its request id) and return that batch."""
+    order = decode_order([a.seq.ssm_slot for a in sched.active], [a.request_id for a in sched.active])
+    sched.active = [sched.active[i] for i in order]
+    return list(sched.active)
 
 
 def _make_room(sched: Scheduler) -> None:
@@ -113,7 +134,7 @@ def preempt(sched: Scheduler, victim: Request, *, prefill_request: Request | Non
     sched.active.remove(victim)
     blocks_before = sched.runner.block_manager.num_free
     reason = PREEMPT_FOR_PREFILL if prefill_request is not None else PREEMPT_FOR_DECODE
-    sched.finish(victim, "error", reason)
+    sched.finish(victim, "error", reason, status=ev.REQ_PREEMPTED)
     sched.mark_done([victim])
     sched.num_preemptions += 1
     sched.emit(ev.Preemption(

@@ -18,11 +18,12 @@ from engine.scheduler.adaptive import StructureTokens, region_of
 from engine.scheduler.admission import RequestRejected, check_prompt, parse_sampling
 from engine.scheduler.request import Request
 from engine.scheduler.spec_support import speculation_rejection
-from engine.streams import StreamSet
+from engine.streams import EVENT_PREFILL_DONE, STREAM_DEFAULT, STREAM_PREFILL, StreamSet
 from telemetry import events as ev
 from telemetry.levers import LeverValues
 
 Emit = Callable[[Any], None]
+CANCELLED_PREFIX = "cancelled: "   # a cancelled request's error text starts so (replay reads it)
 
 
 class Scheduler:
@@ -216,24 +217,51 @@ class Scheduler:
         return len(ended)
 
     # ---- endings --------------------------------------------------------------------------
-    def finish(self, request: Request, reason: str, error: str | None = None) -> None:
-        """End a request (its tokens or an error), free its caches, log it."""
+    def finish(self, request: Request, reason: str, error: str | None = None, *,
+               status: str | None = None) -> None:
+        """End a request (its tokens or an error), free its caches, log it.
+
+        ``status`` is finished without an error and error with one, unless given
+        (preempted, cancelled).
+        """
         self.runner.release(request.seq)
         request.finished_ns = self.now_ns()
         request.finish_reason = reason
         request.error = error
-        if error is None:
-            request.status = ev.REQ_FINISHED
-        elif error.startswith("preempted"):
-            request.status = ev.REQ_PREEMPTED
+        request.status = status or (ev.REQ_FINISHED if error is None else ev.REQ_ERROR)
+        request.clear_pending_drafts()  # its SSM copy would outlive the request in ``done``
+        self.emit_request(request, "finished" if request.status == ev.REQ_FINISHED else request.status, error)
+
+    def cancel(self, request_id: int, reason: str) -> Request | None:
+        """End a queued or running request as ``cancelled``; None when no such request is in flight.
+
+        Call it between ticks (the HTTP server's inbox is drained at tick boundaries, like the
+        levers file), never from inside a step.
+        """
+        request = next((r for r in self.waiting if r.request_id == request_id), None)
+        if request is not None:
+            self.waiting.remove(request)
+        elif self.prefilling is not None and self.prefilling.request_id == request_id:
+            request, self.prefilling = self.prefilling, None
+            # Its last chunk may still be running on the prefill stream: whatever the default
+            # stream does next with the blocks and the slot it frees comes after that chunk.
+            self.streams.wait_for(STREAM_DEFAULT, STREAM_PREFILL, EVENT_PREFILL_DONE)
         else:
-            request.status = ev.REQ_ERROR
-        self.emit_request(request, "finished" if error is None else request.status, error)
+            request = next((r for r in self.active if r.request_id == request_id), None)
+            if request is None:
+                return None
+            self.active.remove(request)
+        self._end_cancelled(request, reason)
+        return request
+
+    def _end_cancelled(self, request: Request, reason: str) -> None:
+        self.finish(request, ev.REQ_CANCELLED, f"{CANCELLED_PREFIX}{reason}", status=ev.REQ_CANCELLED)
+        self.mark_done([request])
 
     def stop(self, reason: str = "engine stopped before this request finished") -> None:
-        """End everything still queued or running (shutdown)."""
-        for request in list(self.waiting) + ([self.prefilling] if self.prefilling else []) + self.active:
-            self.finish(request, "error", f"cancelled: {reason}")
-        self.mark_done(self.waiting)
+        """End everything still queued or running as ``cancelled`` (shutdown)."""
+        for request in self.waiting:
+            self._end_cancelled(request, reason)
         self.waiting.clear()
-        self._retire()
+        for request in ([self.prefilling] if self.prefilling else []) + list(self.active):
+            self.cancel(request.request_id, reason)

@@ -13,14 +13,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.cache.kv import KVCacheExhausted
-from engine.scheduler import decode_step, prefix_step
+from engine.cache.ssm_pool import SSMSnapshot
+from engine.scheduler import decode_step, forward_failure, prefix_step
 from engine.scheduler.adaptive import params_for_row
 from engine.scheduler.chunk_plan import ChunkPlan, plan_chunk
 from engine.scheduler.first_token import FirstTokenPolicy, sample_first_token
-from engine.scheduler.mixing import MixVerdict, can_mix, plan_draft_drop
+from engine.scheduler.mixing import can_mix, plan_draft_drop
 from engine.scheduler.request import Request
 from engine.scheduler.sampling import effective_min_p
-from engine.streams import EVENT_PREFILL_DONE, STREAM_DEFAULT, STREAM_PREFILL, STREAM_SECONDARY
+from engine.streams import EVENT_DEFAULT_DONE, EVENT_PREFILL_DONE, STREAM_DEFAULT, STREAM_PREFILL, STREAM_SECONDARY
 from telemetry import events as ev
 
 if TYPE_CHECKING:
@@ -55,6 +56,9 @@ def run(sched: Scheduler) -> tuple[str, int, int]:
         mix_blocker=verdict.blocker, decode_width=len(sched.active))
     if req.chunk_offset == req.prefix_hit_tokens:  # the first computed chunk (after any cached prefix)
         sched.emit_request(req, "prefill_start")
+    # The prefill stream runs after everything the default stream was given: the slot zeroing and
+    # snapshot restore of admission, and the decodes whose state a mixed forward continues.
+    sched.streams.wait_for(STREAM_PREFILL, STREAM_DEFAULT, EVENT_DEFAULT_DONE)
     num_decode = 0
     if verdict.can_mix:
         num_decode = _run_mixed(sched, req, chunk, row)
@@ -62,92 +66,127 @@ def run(sched: Scheduler) -> tuple[str, int, int]:
         _run_plain(sched, req, chunk, row)
     row.duration_ns = sched.now_ns() - start
     sched.emit(row)
-    return row.path, (chunk.length if row.outcome == "ok" else 0), num_decode
+    return row.path, (chunk.length if row.outcome in ev.COMPUTED_OUTCOMES else 0), num_decode
 
 
 def _run_mixed(sched: Scheduler, req: Request, chunk: ChunkPlan, row: ev.ChunkDecision) -> int:
-    """One fused forward over the chunk and every decode; returns decode tokens computed."""
+    """One fused forward over the chunk and every decode; returns decode tokens computed.
+
+    Leaves ``row.path`` at prefill when the fused forward found no KV blocks (the caller
+    then runs the chunk plainly).
+    """
     drop = plan_draft_drop(sched.levers.speculation, [len(a.pending_drafts) for a in sched.active])
     if drop.drop_drafts:
         for active in sched.active:
-            active.pending_drafts.clear()
+            active.clear_pending_drafts()
         if drop.sync_secondary:
             sched.streams.sync(STREAM_SECONDARY)
             sched.emit(ev.GenericEvent(tick=sched.tick, t_ns=sched.now_ns(), kind="drafts_dropped",
                                        detail={"num_dropped": drop.num_dropped}))
-    # The batched GDN recurrence wants decode rows in SSM-slot order.
-    sched.active.sort(key=lambda a: a.seq.ssm_slot if a.seq.ssm_slot is not None else -1)
-    decodes = list(sched.active)
-    try:
-        with sched.streams.use(STREAM_PREFILL):
+    decodes = decode_step.order_batch(sched)
+    slots = [a.seq.ssm_slot for a in decodes]
+    with sched.streams.use(STREAM_PREFILL):
+        saved = sched.runner.ssm_pool.snapshot_slots(slots)  # put back if the fused forward fails
+        try:
             prefill_logits, decode_logits = sched.runner.mixed_forward(
                 [a.seq for a in decodes], [a.last_token for a in decodes], req.seq,
                 req.prompt_tokens, req.chunk_offset, chunk.length, chunk.is_last,
                 prefix_step.capture_point(sched, req, req.chunk_offset, chunk.length))
-    except KVCacheExhausted as exc:
-        # The fused forward could not get blocks for chunk + decodes together; the plain
-        # path below preempts as the reference does, and the row says why it fell back.
-        row.outcome = "mixed_kv_fallback"
-        sched.emit(ev.GenericEvent(tick=sched.tick, t_ns=sched.now_ns(), kind="mixed_kv_fallback",
-                                   request_id=req.request_id, detail={"error": str(exc)}))
-        return 0
-    row.path = ev.PATH_MIXED
-    req.chunk_offset += chunk.length
-    # The reference's mixed_forward bounds the prefill's SSM state after every chunk (on the
-    # default stream); doing it here too keeps mixed and plain chunks token-identical.
-    with sched.streams.use(STREAM_DEFAULT):
-        _normalize(sched, req)
-    prefix_step.on_chunk_done(sched, req, chunk)
+        except KVCacheExhausted as exc:
+            # The fused forward could not get blocks for chunk + decodes together; the plain
+            # path preempts as the reference does, and the row says why it fell back.
+            row.outcome = ev.OUTCOME_MIXED_KV_FALLBACK
+            sched.emit(ev.GenericEvent(tick=sched.tick, t_ns=sched.now_ns(), kind=ev.OUTCOME_MIXED_KV_FALLBACK,
+                                       request_id=req.request_id, detail={"error": str(exc)}))
+            return 0
+        except Exception as exc:
+            row.path, row.outcome = ev.PATH_MIXED, ev.OUTCOME_FAILED_FORWARD
+            _fail_mixed(sched, req, decodes, slots, saved, exc)
+            return 0
+        row.path = ev.PATH_MIXED
+        req.chunk_offset += chunk.length
+        # The reference bounds the prefill's SSM state after every chunk; here it runs on the
+        # prefill stream, ordered after the forward that wrote that state.
+        _after_chunk(sched, req, chunk)
     # As the reference: the default stream waits on the prefill stream before each sampling,
     # once for the newborn's first token (last chunk) and once for the decode rows.
     if chunk.is_last:
         _default_waits_for_prefill(sched)
-        _first_token(sched, req, prefill_logits)
+        _first_token(sched, req, prefill_logits, row)
     _default_waits_for_prefill(sched)
-    decode_step.process_logits(sched, decodes, decode_logits)
+    try:
+        decode_step.process_logits(sched, decodes, decode_logits)
+    except Exception as exc:  # their caches moved on without a token: they cannot go on
+        forward_failure.end_requests(sched, decodes, exc, stage=forward_failure.STAGE_MIXED_SAMPLING,
+                                     path=ev.PATH_MIXED)
     return len(decodes)
+
+
+def _fail_mixed(sched: Scheduler, req: Request, decodes: list[Request], slots: list[int], saved: SSMSnapshot,
+                exc: Exception) -> None:
+    """The fused forward raised: end the prefilling request, put the decode rows' state back."""
+    try:
+        sched.runner.ssm_pool.restore_slots(saved, slots)
+    except Exception as restore_exc:
+        forward_failure.end_prefill(sched, req, exc, stage=forward_failure.STAGE_MIXED, path=ev.PATH_MIXED)
+        forward_failure.end_requests(sched, decodes, restore_exc, stage=forward_failure.STAGE_RESTORE,
+                                     path=ev.PATH_MIXED)
+        return
+    forward_failure.end_prefill(sched, req, exc, stage=forward_failure.STAGE_MIXED, path=ev.PATH_MIXED,
+                                restored=decodes)
 
 
 def _run_plain(sched: Scheduler, req: Request, chunk: ChunkPlan, row: ev.ChunkDecision) -> None:
     """A plain prefill chunk; while the cache is exhausted, preempt a victim and retry."""
     row.path = ev.PATH_PREFILL
-    while True:
-        try:
-            with sched.streams.use(STREAM_PREFILL):
+    with sched.streams.use(STREAM_PREFILL):
+        while True:
+            try:
                 logits = sched.runner.prefill_chunk(
                     req.seq, req.prompt_tokens, req.chunk_offset, chunk.length, chunk.is_last,
                     prefix_step.capture_point(sched, req, req.chunk_offset, chunk.length))
-            break
-        except KVCacheExhausted as exc:
-            victim = decode_step.choose_victim(sched)
-            if victim is None:
-                row.outcome = "failed_kv"
-                sched.finish(req, "error", f"KV cache exhausted: no request left to preempt for a "
-                                           f"{chunk.length}-token chunk ({exc})")
+                break
+            except KVCacheExhausted as exc:
+                victim = decode_step.choose_victim(sched)
+                if victim is None:
+                    row.outcome = ev.OUTCOME_FAILED_KV
+                    sched.streams.wait_for(STREAM_DEFAULT, STREAM_PREFILL, EVENT_PREFILL_DONE)  # its earlier chunks
+                    sched.finish(req, "error", f"KV cache exhausted: no request left to preempt for a "
+                                               f"{chunk.length}-token chunk ({exc})")
+                    return
+                decode_step.preempt(sched, victim, prefill_request=req)
+                row.num_preempted += 1
+            except Exception as exc:
+                row.outcome = ev.OUTCOME_FAILED_FORWARD
+                forward_failure.end_prefill(sched, req, exc, stage=forward_failure.STAGE_PREFILL,
+                                            path=ev.PATH_PREFILL)
                 return
-            decode_step.preempt(sched, victim, prefill_request=req)
-            row.num_preempted += 1
-    if row.outcome != "mixed_kv_fallback":
-        row.outcome = "ok"
-    req.chunk_offset += chunk.length
-    _normalize(sched, req)
-    prefix_step.on_chunk_done(sched, req, chunk)
+        if row.outcome != ev.OUTCOME_MIXED_KV_FALLBACK:
+            row.outcome = ev.OUTCOME_OK
+        req.chunk_offset += chunk.length
+        _after_chunk(sched, req, chunk)
     if chunk.is_last:
         _default_waits_for_prefill(sched)
-        _first_token(sched, req, logits)
+        _first_token(sched, req, logits, row)
+
+
+def _after_chunk(sched: Scheduler, req: Request, chunk: ChunkPlan) -> None:
+    """SSM normalization, then the prefix cache's blocks and snapshots; on the current (prefill)
+    stream, so on a GPU they read the state the chunk's forward wrote, not an older one."""
+    _normalize(sched, req)
+    prefix_step.on_chunk_done(sched, req, chunk)
 
 
 def _default_waits_for_prefill(sched: Scheduler) -> None:
     """Record on the prefill stream, make the default stream wait: sampling reads the forward's output."""
-    sched.streams.record(EVENT_PREFILL_DONE, STREAM_PREFILL)
-    sched.streams.wait(STREAM_DEFAULT, EVENT_PREFILL_DONE)
+    sched.streams.wait_for(STREAM_DEFAULT, STREAM_PREFILL, EVENT_PREFILL_DONE)
 
 
 def _normalize(sched: Scheduler, req: Request) -> None:
-    """Bound the SSM state after a plain chunk; log when it acted or failed."""
+    """Bound the SSM state after a chunk; log when it acted or failed (a failure is not fatal)."""
     try:
         acted = sched.runner.normalize_ssm_states(req.seq)
-    except (RuntimeError, ValueError) as exc:
+    except Exception as exc:
         sched.emit(ev.GenericEvent(tick=sched.tick, t_ns=sched.now_ns(), kind="ssm_normalize_failed",
                                    request_id=req.request_id, detail={"error": str(exc)}))
         return
@@ -156,7 +195,7 @@ def _normalize(sched: Scheduler, req: Request) -> None:
                                    request_id=req.request_id, detail={"offset": req.chunk_offset}))
 
 
-def _first_token(sched: Scheduler, req: Request, logits: torch.Tensor) -> None:
+def _first_token(sched: Scheduler, req: Request, logits: torch.Tensor, row: ev.ChunkDecision) -> None:
     """Sample token 0 under the first-token policy; the request joins the decode batch."""
     model = sched.runner.model
     try:
@@ -165,8 +204,9 @@ def _first_token(sched: Scheduler, req: Request, logits: torch.Tensor) -> None:
         min_p = effective_min_p(req.params, sched.levers.speculation, sched.levers.no_mtp_minp)
         params = params_for_row(req.params, req.region, sched.levers.adaptive_sampling)
         token = sample_first_token(logits, params, req.generator, policy, sched.eos_ids, min_p)
-    except ValueError as exc:
-        sched.finish(req, "error", f"first token: {exc}")
+    except Exception as exc:
+        row.outcome = ev.OUTCOME_FAILED_FIRST_TOKEN
+        forward_failure.end_requests(sched, [req], exc, stage=forward_failure.STAGE_FIRST_TOKEN, path=row.path)
         return
     sched.prefilling = None
     req.status = ev.REQ_DECODING

@@ -60,6 +60,12 @@ class Request:
             # replay reproduces tokens whatever the batch around it looks like.
             self.generator = torch.Generator().manual_seed(int(self.params.seed))
 
+    def clear_pending_drafts(self) -> None:
+        """Forget the drafts of the last speculative step and the SSM copy kept for them."""
+        self.pending_drafts = []
+        self.pending_drafts_at = None
+        self.pending_snapshot = None
+
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_tokens)

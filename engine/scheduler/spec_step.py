@@ -78,7 +78,7 @@ def run(sched: Scheduler) -> int | None:
     drafts = list(req.pending_drafts) if is_pending_valid else propose_drafts(
         history, max_ngram=MAX_NGRAM, min_ngram=MIN_NGRAM, num_drafts=NUM_DRAFTS)
     snapshot = req.pending_snapshot if is_pending_valid else None
-    _clear_pending(req)
+    req.clear_pending_drafts()
     budget = draft_budget(req, max_context=sched.max_context, num_free_blocks=bm.num_free,
                           blocks_for_tokens=lambda n: bm.num_new_blocks(seq, n))
     drafts = drafts[:budget]
@@ -152,12 +152,6 @@ def _propose_next(sched: Scheduler, req: Request) -> None:
     req.pending_drafts = drafts
     req.pending_drafts_at = req.seq.num_cached_tokens
     req.pending_snapshot = snapshot
-
-
-def _clear_pending(req: Request) -> None:
-    req.pending_drafts = []
-    req.pending_drafts_at = None
-    req.pending_snapshot = None
 
 
 def _emit(sched: Scheduler, req: Request, *, num_drafted: int, num_accepted: int, num_emitted: int,

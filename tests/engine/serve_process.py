@@ -14,10 +14,11 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 90.0   # importing torch on a loaded 2-core CI box is slow
 
 
-def start_serve(run_dir: Path, *args: str) -> subprocess.Popen:
+def start_serve(run_dir: Path, *args: str, env_extra: dict[str, str] | None = None) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     # Lever variables would change the run under test; the checkpoint cache location must stay.
     env = {k: v for k, v in env.items() if not k.startswith("CHUNKSCOPE_") or k == "CHUNKSCOPE_CACHE"}
+    env.update(env_extra or {})
     run_dir.mkdir(parents=True, exist_ok=True)
     # stderr goes to a file: a pipe nobody drains could fill up and block the engine.
     with open(run_dir / "serve.stderr", "a") as stderr:

@@ -53,9 +53,10 @@ def test_sigterm_drains_and_marks_the_run_finished(live):
     assert run["status"] == "finished" and run["finished_at"] is not None
     # Drained: every request ended, none left looking alive.
     statuses = {r["status"] for r in query(live.db, "SELECT status FROM requests")}
-    assert statuses and statuses <= {ev.REQ_FINISHED, ev.REQ_ERROR, ev.REQ_PREEMPTED, ev.REQ_REJECTED}
-    cut = query(live.db, "SELECT error FROM requests WHERE status = 'error'")
-    assert all(r["error"].startswith("cancelled:") for r in cut)
+    assert statuses and statuses <= set(ev.END_STATUSES)
+    cut = query(live.db, "SELECT error, finish_reason FROM requests WHERE status = 'cancelled'")
+    assert all(r["error"].startswith("cancelled:") and r["finish_reason"] == "cancelled" for r in cut)
+    assert not query(live.db, "SELECT error FROM requests WHERE error LIKE 'cancelled:%' AND status != 'cancelled'")
     # The final tick's rows made it to the store before exit.
     assert scalar(live.db, "SELECT count(*) FROM ticks") == max_tick(live.db) + 1
 
