@@ -7,7 +7,8 @@ replays it scaled: ``--time-scale`` multiplies inter-arrival gaps, ``--length-sc
 prompt and output lengths (both are stored in the run row).
 
 The engine runs as the product runs it (a ``serve`` process writing telemetry); the
-numbers are read back from its telemetry store: requests finished / errors, output and
+numbers are read back from its telemetry store: requests per end state and errors
+(error + preempted + rejected), output and
 total tokens/s over the engine's busy span, TTFT p50/p99 (nearest rank), preemptions,
 prefix-hit token ratio, and the wall time of the whole replay.
 
@@ -28,6 +29,12 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+# Run as a script, bench/ comes first on sys.path and bench/telemetry.py would shadow the
+# telemetry package; the repo root (or the installed package) is what is meant.
+if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path[0] = str(REPO)
+
+from telemetry import events as ev  # noqa: E402
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "azure_conv_2023.csv"
 
 
@@ -63,8 +70,9 @@ def report(db_path: Path) -> dict:
     num_ticks = db.execute("SELECT COUNT(*) FROM ticks WHERE run_id = ?", (run_id,)).fetchone()[0]
     return {
         "run_id": run_id, "run_status": status, "num_requests": len(rows), "num_finished": len(finished),
-        "num_errors": sum(1 for r in rows if r["status"] in ("error", "rejected")),
-        "num_preempted": sum(1 for r in rows if r["status"] == "preempted"),
+        "end_states": {status: sum(1 for r in rows if r["status"] == status) for status in ev.END_STATUSES},
+        "num_running": sum(1 for r in rows if r["status"] in ev.IN_FLIGHT_STATUSES),
+        "num_errors": sum(1 for r in rows if r["status"] in ev.FAILURE_STATUSES),
         "num_preemptions": num_preemptions, "num_ticks": num_ticks,
         "output_tok_s": num_output / (span_ns / 1e9) if span_ns else 0.0,
         "total_tok_s": (num_output + num_prompt) / (span_ns / 1e9) if span_ns else 0.0,
@@ -112,8 +120,9 @@ def main() -> int:
           f"{args.time_scale}, length scale {args.length_scale} (Azure LLM inference trace 2023, "
           f"Patel et al., Splitwise, ISCA 2024, CC-BY)")
     n = numbers
-    print(f"requests finished {n['num_finished']}/{n['num_requests']}, errors {n['num_errors']}, "
-          f"preempted {n['num_preempted']} (preemptions {n['num_preemptions']}), run status {n['run_status']}")
+    print(f"requests {n['num_requests']}: " + ", ".join(f"{s} {k}" for s, k in n["end_states"].items()) +
+          f", still running {n['num_running']}; errors {n['num_errors']} ({' + '.join(ev.FAILURE_STATUSES)}); "
+          f"preemptions {n['num_preemptions']}, run status {n['run_status']}")
     print(f"mean prompt {n['mean_prompt_len']:.0f} tokens, mean output {n['mean_output_len']:.0f} tokens, "
           f"{n['num_ticks']} ticks")
     print(f"output tokens/s {n['output_tok_s']:.1f}, prompt+output tokens/s {n['total_tok_s']:.1f} "

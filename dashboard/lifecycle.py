@@ -1,10 +1,13 @@
 """Request lifecycle phases for the waterfall: a pure function of events and request rows.
 
-A request moves queued -> prefilling -> decoding -> finished / error, and a
-preemption sends it back to the queue (shown as a ``preempted`` span until it
-is admitted again). Lifecycle events (``request_events``) give every step;
-when a request has none (an older store), the timestamps on its ``requests``
-row still give queued / prefilling / decoding.
+A request moves queued -> prefilling -> decoding -> an end state (finished,
+error, preempted, cancelled; a rejection shows as error). A preemption that
+sends a request back to the queue shows as a ``preempted`` span until it is
+admitted again; in this engine a preemption ends the request (as in the
+reference), so its row's end state closes the span. Lifecycle events
+(``request_events``) give every step; when a request has none (an older
+store), the timestamps on its ``requests`` row still give queued / prefilling
+/ decoding.
 """
 from __future__ import annotations
 
@@ -19,10 +22,24 @@ _NEXT_PHASE = {
     "first_token": "decoding",
     "preempted": "preempted",
 }
-_TERMINAL = {"finished": "finished", "error": "error", "rejected": "error"}
+_TERMINAL = {"finished": "finished", "error": "error", "rejected": "error", "cancelled": "cancelled"}
+# The end marker of a request row's status (its ``finished_ns``), when no terminal event gave one.
+_END_PHASE = {**_TERMINAL, "preempted": "preempted"}
 
 
-def _phases_from_events(request_id: int, events: pd.DataFrame, end_ms: float) -> list[dict]:
+def _end_marker(req, start_ms: float) -> dict:
+    phase = _END_PHASE[req.status]
+    return {"request_id": req.request_id, "phase": phase, "start_ms": start_ms, "end_ms": start_ms,
+            "detail": req.finish_reason if phase == "finished" else req.error}
+
+
+def _finished_ms(req) -> float | None:
+    ended = req.status in _END_PHASE and req.finished_ns is not None and pd.notna(req.finished_ns)
+    return req.finished_ns / 1e6 if ended else None
+
+
+def _phases_from_events(req, events: pd.DataFrame, end_ms: float) -> list[dict]:
+    request_id = req.request_id
     rows: list[dict] = []
     phase, since = None, None
     for ev in events.itertuples(index=False):
@@ -41,7 +58,13 @@ def _phases_from_events(request_id: int, events: pd.DataFrame, end_ms: float) ->
             rows.append({"request_id": request_id, "phase": phase, "start_ms": since, "end_ms": t_ms,
                          "detail": None})
         phase, since = nxt, t_ms
-    if phase is not None:  # still in flight: the span runs to the newest data
+    finish = _finished_ms(req)
+    if phase is not None and finish is not None:  # ended without a terminal event (a preemption)
+        if phase != _END_PHASE[req.status]:
+            rows.append({"request_id": request_id, "phase": phase, "start_ms": since,
+                         "end_ms": max(since, finish), "detail": None})
+        rows.append(_end_marker(req, max(since, finish)))
+    elif phase is not None:  # still in flight: the span runs to the newest data
         rows.append({"request_id": request_id, "phase": phase, "start_ms": since, "end_ms": max(since, end_ms),
                      "detail": "in progress"})
     return rows
@@ -50,16 +73,14 @@ def _phases_from_events(request_id: int, events: pd.DataFrame, end_ms: float) ->
 def _phases_from_row(req, end_ms: float) -> list[dict]:
     marks = [("queued", req.arrival_ns), ("prefilling", req.admitted_ns), ("decoding", req.first_token_ns)]
     marks = [(p, t / 1e6) for p, t in marks if t is not None and pd.notna(t)]
-    finish = req.finished_ns / 1e6 if req.finished_ns is not None and pd.notna(req.finished_ns) else None
+    finish = _finished_ms(req)
     rows = []
     for i, (phase, start) in enumerate(marks):
         stop = marks[i + 1][1] if i + 1 < len(marks) else (finish if finish is not None else end_ms)
         rows.append({"request_id": req.request_id, "phase": phase, "start_ms": start, "end_ms": stop,
                      "detail": None})
     if finish is not None:
-        terminal = "error" if req.status == "error" else "finished"
-        rows.append({"request_id": req.request_id, "phase": terminal, "start_ms": finish, "end_ms": finish,
-                     "detail": req.error if terminal == "error" else req.finish_reason})
+        rows.append(_end_marker(req, finish))
     return rows
 
 
@@ -74,5 +95,5 @@ def request_phases(requests: pd.DataFrame, events: pd.DataFrame, end_ms: float) 
         if len(events) else {}
     for req in requests.itertuples(index=False):
         evs = by_request.get(req.request_id)
-        rows += _phases_from_events(req.request_id, evs, end_ms) if evs is not None else _phases_from_row(req, end_ms)
+        rows += _phases_from_events(req, evs, end_ms) if evs is not None else _phases_from_row(req, end_ms)
     return pd.DataFrame(rows, columns=PHASE_COLUMNS)

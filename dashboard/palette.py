@@ -14,6 +14,7 @@ PHASE_COLORS = {
     "preempted": "#d62728",
     "finished": "#2b2b2b",
     "error": "#ff0000",
+    "cancelled": "#e377c2",
 }
 KIND_SYMBOLS = {"record": "triangle-up", "wait": "square", "sync": "circle"}
 FALLBACK_COLOR = "#8c564b"

@@ -10,6 +10,7 @@ import pandas as pd
 from dashboard.db import query_df, query_one
 from dashboard.queries_live import latency_percentiles
 from dashboard.queries_totals import run_totals_of
+from telemetry import events as ev
 from telemetry.procs import is_pid_alive
 
 RUN_COLUMNS = ("run_id", "started_at", "finished_at", "model", "device", "status", "pid", "hostname",
@@ -43,6 +44,15 @@ def run_row(db: Path, run_id: int) -> dict | None:
     return row
 
 
+def end_states(totals: dict) -> dict[str, int]:
+    """Each end state on its own (``run_totals`` keeps ``num_<status>_requests`` per end state), the
+    requests not ended yet, and ``errors``: the failure states together (error + preempted + rejected)."""
+    counts = {status: totals[f"num_{status}_requests"] or 0 for status in ev.END_STATUSES}
+    counts["running"] = totals["num_running_requests"] or 0
+    counts["errors"] = sum(counts[status] for status in ev.FAILURE_STATUSES)
+    return counts
+
+
 def run_metrics(db: Path, run_id: int) -> dict:
     """Whole-run numbers for the comparison table.
 
@@ -55,8 +65,7 @@ def run_metrics(db: Path, run_id: int) -> dict:
     latency = latency_percentiles(db, run_id, is_recent=False).set_index("metric")
     metrics = {
         "duration_s": duration_s,
-        "requests": totals["num_requests"], "finished": totals["num_finished_requests"],
-        "errors": totals["num_error_requests"],
+        "requests": totals["num_requests"], **end_states(totals),
         "decode_tok_s": totals["num_decode_tokens"] / duration_s if duration_s else None,
         "prefill_tok_s": totals["num_prefill_tokens"] / duration_s if duration_s else None,
         "preemptions": totals["num_preemptions"],

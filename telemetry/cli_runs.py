@@ -7,7 +7,11 @@ import sys
 import time
 from typing import Any
 
+from telemetry import events as ev
 from telemetry.reader import TAILABLE_TABLES, TelemetryReader, TelemetryUnavailable
+
+
+ERRORS_NOTE = "  (" + " + ".join(ev.FAILURE_STATUSES) + ")"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -71,7 +75,8 @@ def cmd_summary(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=2))
     else:
         for key, value in summary.items():
-            print(f"{key:<18} {round(value, 3) if isinstance(value, float) else value}")
+            note = ERRORS_NOTE if key == "errors" else ""
+            print(f"{key:<18} {round(value, 3) if isinstance(value, float) else value}{note}")
     return 0
 
 

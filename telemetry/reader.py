@@ -93,14 +93,15 @@ class TelemetryReader:
         if run is None:
             return None
         counts = self._one(_SUMMARY_SQL, {"run": run_id}) or {}
+        by_status = {row["status"]: row["n"] for row in self._rows(_STATUS_SQL, {"run": run_id})}
         latency = self.latency_percentiles(run_id)
         span_ns = counts.get("span_ns") or 0
         output_tokens = counts.get("output_tokens") or 0
         prompt = counts.get("prompt_tokens") or 0
         return {
             "run_id": run_id, "status": run["status"], "model": run["model"], "device": run["device"],
-            "requests": counts.get("requests") or 0, "finished": counts.get("finished") or 0,
-            "errors": counts.get("errors") or 0, "preemptions": counts.get("preemptions") or 0,
+            "requests": counts.get("requests") or 0, **end_state_counts(by_status),
+            "preemptions": counts.get("preemptions") or 0,
             "mixed_chunks": counts.get("mixed_chunks") or 0, "plain_chunks": counts.get("plain_chunks") or 0,
             "ticks": counts.get("ticks") or 0, "output_tokens": output_tokens,
             "prefill_tokens": counts.get("prefill_tokens") or 0,
@@ -179,11 +180,25 @@ def _decode_json(table: str, row: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+def end_state_counts(by_status: dict[str, int]) -> dict[str, int]:
+    """Requests per end state (each on its own), those still running, and ``errors``: the sum of the
+    failure states (error, preempted, rejected), so it cannot read 0 when any request failed.
+
+    ``by_status`` is ``SELECT status, count(*) FROM requests GROUP BY status`` as a dict.
+    """
+    counts = {status: by_status.get(status, 0) for status in ev.END_STATUSES}
+    unknown = sorted(set(by_status) - set(ev.REQUEST_STATUSES))
+    counts.update({status: by_status[status] for status in unknown})   # a newer engine's status, shown as is
+    counts["running"] = sum(by_status.get(status, 0) for status in ev.IN_FLIGHT_STATUSES)
+    counts["errors"] = sum(by_status.get(status, 0) for status in ev.FAILURE_STATUSES)
+    return counts
+
+
+_STATUS_SQL = "SELECT status, count(*) AS n FROM requests WHERE run_id = :run GROUP BY status"
+
 _SUMMARY_SQL = """
 SELECT
   (SELECT count(*) FROM requests WHERE run_id = :run) AS requests,
-  (SELECT count(*) FROM requests WHERE run_id = :run AND status = 'finished') AS finished,
-  (SELECT count(*) FROM requests WHERE run_id = :run AND status = 'error') AS errors,
   (SELECT sum(prompt_len) FROM requests WHERE run_id = :run) AS prompt_tokens,
   (SELECT sum(prefix_hit_tokens) FROM requests WHERE run_id = :run) AS prefix_hit_tokens,
   (SELECT count(*) FROM preemptions WHERE run_id = :run) AS preemptions,

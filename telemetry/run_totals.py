@@ -31,10 +31,24 @@ TOTALS: dict[str, tuple[str, str]] = {
     "num_tokens": ("tokens", "COUNT(*)"),
     # requests rows are upserted: the writer adds new state minus the stored state (request_deltas)
     "num_requests": ("requests", "COUNT(*)"),
+    # one total per end state, and the requests not ended yet (REQUEST_STATES says which statuses)
     "num_finished_requests": ("requests", "COALESCE(SUM(status = 'finished'), 0)"),
     "num_error_requests": ("requests", "COALESCE(SUM(status = 'error'), 0)"),
+    "num_preempted_requests": ("requests", "COALESCE(SUM(status = 'preempted'), 0)"),
+    "num_rejected_requests": ("requests", "COALESCE(SUM(status = 'rejected'), 0)"),
+    "num_cancelled_requests": ("requests", "COALESCE(SUM(status = 'cancelled'), 0)"),
+    "num_running_requests": ("requests", "COALESCE(SUM(status IN ('waiting', 'prefilling', 'decoding')), 0)"),
     "num_prompt_tokens": ("requests", "COALESCE(SUM(prompt_len), 0)"),
     "num_prefix_hit_tokens": ("requests", "COALESCE(SUM(prefix_hit_tokens), 0)"),
+}
+# The statuses each request-state total counts (the SQL above says the same for totals_sql).
+REQUEST_STATES: dict[str, tuple[str, ...]] = {
+    "num_finished_requests": (ev.REQ_FINISHED,),
+    "num_error_requests": (ev.REQ_ERROR,),
+    "num_preempted_requests": (ev.REQ_PREEMPTED,),
+    "num_rejected_requests": (ev.REQ_REJECTED,),
+    "num_cancelled_requests": (ev.REQ_CANCELLED,),
+    "num_running_requests": ev.IN_FLIGHT_STATUSES,
 }
 REQUEST_COLUMNS = ("request_id", "status", "prompt_len", "prefix_hit_tokens")   # what request_deltas reads
 REQUEST_TOTALS = tuple(c for c, (table, _) in TOTALS.items() if table == "requests")
@@ -52,8 +66,8 @@ def request_deltas(new: Iterable[tuple], stored: Iterable[tuple]) -> dict[str, i
     for sign, rows in ((1, new), (-1, stored)):
         for _, status, prompt_len, hit in rows:
             deltas["num_requests"] += sign
-            deltas["num_finished_requests"] += sign * (status == ev.REQ_FINISHED)
-            deltas["num_error_requests"] += sign * (status == ev.REQ_ERROR)
+            for column, statuses in REQUEST_STATES.items():
+                deltas[column] += sign * (status in statuses)
             deltas["num_prompt_tokens"] += sign * (prompt_len or 0)
             deltas["num_prefix_hit_tokens"] += sign * (hit or 0)
     return deltas

@@ -35,7 +35,7 @@ SELECT 'request' AS source, coalesce(error, '(no message)') AS message, count(*)
 FROM requests WHERE status = 'error' OR error IS NOT NULL GROUP BY message
 UNION ALL
 SELECT 'chunk', 'chunk outcome ' || outcome, count(*), group_concat(request_id), min(t_ns)
-FROM chunks WHERE outcome != 'ok' GROUP BY outcome
+FROM chunks WHERE outcome LIKE 'failed%' GROUP BY outcome
 UNION ALL
 SELECT 'event', kind || coalesce(': ' || json_extract(detail, '$.message'), ''), count(*),
        group_concat(request_id), min(t_ns)

@@ -9,8 +9,7 @@ from dashboard.lifecycle import request_phases
 from dashboard.queries_requests import MAX_LISTED, BadSearch, parse_search
 from telemetry import events as ev
 
-STATUSES = (ev.REQ_WAITING, ev.REQ_PREFILLING, ev.REQ_DECODING, ev.REQ_PREEMPTED, ev.REQ_FINISHED,
-            ev.REQ_ERROR, ev.REQ_REJECTED)
+STATUSES = ev.REQUEST_STATUSES
 
 # prefix columns next to the prompt: a hybrid model's miss reason is the first thing to read
 TABLE_COLUMNS = ["request_id", "status", "prompt_len", "prefix_hit_tokens", "prefix_hit_ratio", "prefix_miss_reason",

@@ -2,7 +2,8 @@
 
 Multi-turn workload (prefixes recur, so the prefix cache hits and misses with
 reasons), a small KV cache (24 blocks: preemptions and rejections happen),
-``ssm_tail_ckpt`` on from the environment, and a levers-file write once the
+``ssm_tail_ckpt`` on from the environment, the test fault hook failing the
+forwards of request ``FAULT_REQUEST`` (an error end state), and a levers-file write once the
 serve loop is ticking (``bisect_no_mix`` on mid-run), so every page has real
 rows of every kind. Expected numbers are read from the database with plain
 SQL in the tests, never through the dashboard's queries.
@@ -25,6 +26,7 @@ NUM_REQUESTS = 24
 FLIP_AFTER_TICK = 30          # write the levers file once the loop has run this many ticks
 TIMEOUT_S = 120.0
 MID_RUN_LEVERS = {"bisect_no_mix": True}
+FAULT_REQUEST = 6             # CHUNKSCOPE_FAULT_FORWARD: its forward raises, it ends as an error
 
 
 @dataclass
@@ -62,7 +64,8 @@ def serve_argv(run_dir: Path) -> list[str]:
 def run_engine(run_dir: Path) -> RealRun:
     """Serve to completion, flipping ``MID_RUN_LEVERS`` through the levers file on the way."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CHUNKSCOPE_SSM_TAIL_CKPT": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CHUNKSCOPE_SSM_TAIL_CKPT": "1",
+           "CHUNKSCOPE_FAULT_FORWARD": str(FAULT_REQUEST)}
     start = time.monotonic()
     proc = subprocess.Popen(serve_argv(run_dir), cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)

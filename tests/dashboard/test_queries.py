@@ -46,6 +46,27 @@ def test_phases_from_events_with_preemption():
     assert phases.iloc[-1]["detail"] == "eos"
 
 
+def test_an_ending_preemption_and_a_cancel_close_their_requests():
+    # This engine's preemption ends the request (the reference's rule): no re-admission follows.
+    reqs = pd.DataFrame([
+        {"request_id": 1, "status": "preempted", "arrival_ns": 0, "admitted_ns": 1e6, "first_token_ns": 2e6,
+         "finished_ns": 5e6, "error": "preempted: KV cache exhausted", "finish_reason": "error"},
+        {"request_id": 2, "status": "cancelled", "arrival_ns": 0, "admitted_ns": None, "first_token_ns": None,
+         "finished_ns": 3e6, "error": "cancelled: client went away", "finish_reason": "cancelled"}])
+    events = pd.DataFrame({"request_id": [1, 1, 1, 1, 2, 2], "t_ns": [0, 1e6, 2e6, 5e6, 0, 3e6],
+                           "kind": ["arrived", "admitted", "first_token", "preempted", "arrived", "cancelled"],
+                           "detail": [None, None, None, "preempted: KV cache exhausted", None,
+                                      "cancelled: client went away"]})
+    phases = request_phases(reqs, events, end_ms=20.0)
+    one = phases[phases["request_id"] == 1]
+    assert list(one["phase"]) == ["queued", "prefilling", "decoding", "preempted"]
+    assert one.iloc[-1]["end_ms"] == 5.0 and one.iloc[-1]["detail"] == "preempted: KV cache exhausted"
+    assert list(phases[phases["request_id"] == 2]["phase"]) == ["queued", "cancelled"]
+    no_events = request_phases(reqs, events.iloc[:0], end_ms=20.0)
+    assert list(no_events["phase"]) == ["queued", "prefilling", "decoding", "preempted", "queued", "cancelled"]
+    assert "in progress" not in set(no_events["detail"].dropna())
+
+
 def test_phases_fall_back_to_row_and_close_in_flight():
     reqs = pd.DataFrame([{"request_id": 1, "status": "decoding", "arrival_ns": 0, "admitted_ns": 2e6,
                           "first_token_ns": 5e6, "finished_ns": None, "error": None, "finish_reason": None}])

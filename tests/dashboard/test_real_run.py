@@ -8,6 +8,7 @@ import json
 from plotly_spec import chart_with, charts, texts
 
 from dashboard.timeline_chart import TIMELINE_UIREVISION
+from telemetry import events as ev
 from telemetry.levers import LEVERS
 
 
@@ -146,3 +147,10 @@ def test_real_runs_compare_metrics(real_app, real_run_dir):
     assert compare.loc["mixed_share", column] == round(mixed / total, 3)
     hit, prompt = rr.rows("SELECT SUM(prefix_hit_tokens), SUM(prompt_len) FROM requests")[0]
     assert compare.loc["prefix_hit_ratio", column] == round(hit / prompt, 3)
+    # Every end state on its own row, equal to the rows; errors is the failure states' sum.
+    by_status = dict(rr.rows("SELECT status, count(*) FROM requests GROUP BY status"))
+    assert {ev.REQ_FINISHED, ev.REQ_ERROR, ev.REQ_PREEMPTED, ev.REQ_REJECTED} <= set(by_status)
+    for status in ev.END_STATUSES:
+        assert compare.loc[status, column] == by_status.get(status, 0), status
+    assert compare.loc["running", column] == 0
+    assert compare.loc["errors", column] == sum(by_status.get(s, 0) for s in ev.FAILURE_STATUSES)

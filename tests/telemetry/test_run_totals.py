@@ -45,7 +45,7 @@ def _event(kind: int, i: int, path: str, n: int):
     return ev.StreamEvent(tick=i, t_ns=1000 * i)                      # counted in no total
 
 
-STATUSES = (ev.REQ_WAITING, ev.REQ_DECODING, ev.REQ_FINISHED, ev.REQ_ERROR, ev.REQ_REJECTED)
+STATUSES = ev.REQUEST_STATUSES
 events_strategy = st.lists(st.tuples(st.integers(0, 5), st.sampled_from(PATHS), st.integers(0, 300)),
                            max_size=120)
 
@@ -105,3 +105,9 @@ def test_snapshot_of_a_store_without_the_columns(tmp_path):
     take_snapshot(db_path, run_id, dest)
     totals = run_totals.from_row(_stored(dest, run_id))
     assert totals["num_ticks"] == 1 and totals["num_mixed_ticks"] == 1 and totals["last_tick_end_ns"] == 8
+
+
+def test_every_status_is_counted_by_exactly_one_request_total():
+    counted = [s for statuses in run_totals.REQUEST_STATES.values() for s in statuses]
+    assert sorted(counted) == sorted(ev.REQUEST_STATUSES)
+    assert set(run_totals.REQUEST_STATES) <= set(run_totals.REQUEST_TOTALS)
