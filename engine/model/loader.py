@@ -8,14 +8,11 @@ import torch
 from safetensors import safe_open
 
 from engine.model.config import ConfigError, ModelConfig
+from engine.model.errors import CheckpointError  # noqa: F401  (raised here, imported from here by callers)
 from engine.model.qwen3_5 import Qwen35ForCausalLM
 from engine.model.tokenizer import Tokenizer, load_tokenizer
 
 INDEX_FILE = "model.safetensors.index.json"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint directory cannot be loaded; the message names the file and the tensor."""
 
 
 def read_config(directory: Path) -> ModelConfig:

@@ -7,6 +7,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 from tokenizers import AddedToken
 
+from engine.model.errors import CheckpointError
+
 EOS = "<|endoftext|>"
 THINK_START, THINK_END = "<think>", "</think>"
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
@@ -59,7 +61,6 @@ def load_tokenizer(directory: Path) -> Tokenizer | None:
     try:
         return Tokenizer(HFTokenizer.from_file(str(path)))
     except Exception as err:  # tokenizers raises a bare Exception on malformed files
-        from engine.model.loader import CheckpointError
         raise CheckpointError(f"{path}: unreadable tokenizer ({err})") from None
 
 

@@ -52,7 +52,7 @@ class ChunkPlan:
     length: int                         # tokens to compute this tick, >= 1
     is_last: bool                       # the chunk reaches the end of the prompt
     cap_rule: str                       # CAP_* rule that set ``length``
-    ssm_tail_boundary: int | None       # the tail boundary in force (None when the lever is off)
+    ssm_tail_boundary: int | None       # the tail boundary in force (None when ssm_tail_ckpt is off)
 
 
 def ssm_tail_boundary(prompt_len: int, block_size: int) -> int | None:
@@ -107,11 +107,11 @@ def plan_chunk(
     if slice_budget is not None and length > slice_budget:
         length, rule = slice_budget, CAP_SLICE_BUDGET
 
-    tail = None
-    if ssm_tail_ckpt and not ssm_tail_midchunk and block_size is not None:
-        tail = ssm_tail_boundary(prompt_len, block_size)
-        if tail is not None and offset < tail < offset + length:
-            length, rule = tail - offset, CAP_SSM_TAIL
+    # The boundary is in force (and on the chunk's row) whenever the lever is on; only without
+    # mid-chunk capture does it cut the chunk (with it, the runner captures the state inside).
+    tail = ssm_tail_boundary(prompt_len, block_size) if ssm_tail_ckpt and block_size is not None else None
+    if tail is not None and not ssm_tail_midchunk and offset < tail < offset + length:
+        length, rule = tail - offset, CAP_SSM_TAIL
 
     end = offset + length
     if end < prompt_len:

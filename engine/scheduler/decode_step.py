@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.cache.kv import KVCacheExhausted
-from engine.scheduler import forward_failure, spec_step
-from engine.scheduler.adaptive import advance, params_for_row
+from engine.scheduler import forward_failure, outputs, spec_step
+from engine.scheduler.adaptive import params_for_row
 from engine.scheduler.mixing import decode_order
 from engine.scheduler.preempt import VictimCandidate, choose_victim as pick_victim
 from engine.scheduler.request import Request
@@ -84,38 +84,7 @@ def process_logits(sched: Scheduler, batch: list[Request], logits: torch.Tensor)
         [a.num_generated for a in batch], sched.eos_ids,
         min_p_override=[effective_min_p(a.params, levers.speculation, levers.no_mtp_minp) for a in batch])
     for request, token in zip(batch, tokens.tolist()):
-        append_token(sched, request, token)
-
-
-def append_token(sched: Scheduler, request: Request, token: int) -> None:
-    """Record one generated token and end the request when a stop rule fires."""
-    index = request.num_generated
-    request.output_tokens.append(token)
-    request.last_token = token
-    request.region = advance(request.region, token, sched.structure_tokens)
-    t_ns = sched.now_ns()
-    sched.emit(ev.TokenEvent(tick=sched.tick, t_ns=t_ns, request_id=request.request_id,
-                             index=index, token_id=token))
-    if index == 0:
-        request.first_token_ns = t_ns
-        sched.emit_request(request, "first_token")
-    reason = finish_reason(request, token, sched.eos_ids, sched.max_context)
-    if reason is not None:
-        sched.finish(request, reason)
-
-
-def finish_reason(request: Request, token: int, eos_ids: set[int], max_context: int) -> str | None:
-    """eos / stop / length, or None to keep decoding (EOS only counts once min_tokens is met)."""
-    params = request.params
-    if token in eos_ids and request.num_generated >= params.min_tokens:
-        return "eos"
-    if token in params.stop_token_ids and request.num_generated >= params.min_tokens:
-        return "stop"
-    if request.num_generated >= params.max_tokens:
-        return "length"
-    if request.prompt_len + request.num_generated >= max_context:
-        return "length"
-    return None
+        outputs.append_token(sched, request, token)
 
 
 def choose_victim(sched: Scheduler) -> Request | None:

@@ -14,7 +14,7 @@ import torch
 
 from engine.cache.kv import KVCacheExhausted
 from engine.cache.ssm_pool import SSMSnapshot
-from engine.scheduler import decode_step, forward_failure, prefix_step
+from engine.scheduler import decode_step, forward_failure, outputs, prefix_step
 from engine.scheduler.adaptive import params_for_row
 from engine.scheduler.chunk_plan import ChunkPlan, plan_chunk
 from engine.scheduler.first_token import FirstTokenPolicy, sample_first_token
@@ -211,4 +211,4 @@ def _first_token(sched: Scheduler, req: Request, logits: torch.Tensor, row: ev.C
     sched.prefilling = None
     req.status = ev.REQ_DECODING
     sched.active.append(req)
-    decode_step.append_token(sched, req, token)
+    outputs.append_token(sched, req, token)

@@ -40,8 +40,9 @@ class Request:
     finish_reason: str | None = None
     prefix_hit_tokens: int = 0
     prefix_miss_reason: str | None = None
-    # Grammar-constrained requests are never preemption victims (reference rule);
-    # this engine has no grammar engine yet, so it stays False unless a client asks.
+    # Grammar-constrained requests are never preemption victims (reference rule, applied in
+    # scheduler/preempt.py). Nothing sets it yet: no request field or API accepts a grammar, so
+    # it is False for every request until a grammar engine sets it at submit.
     has_grammar: bool = False
     pending_drafts: list[int] = field(default_factory=list)
     # Left by the last speculative step for the next one (engine/scheduler/spec_step.py): the

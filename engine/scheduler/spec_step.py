@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.model import verify
-from engine.scheduler import decode_step
+from engine.scheduler import outputs
 from engine.scheduler.adaptive import advance, params_for_row
 from engine.scheduler.mixing import SPEC_NGRAM
 from engine.scheduler.ngram import propose_drafts
@@ -99,7 +99,7 @@ def run(sched: Scheduler) -> int | None:
         emitted = accept(sched, req, logits, drafts)
     num_accepted = len(emitted) - 1
     for token in emitted:
-        decode_step.append_token(sched, req, token)
+        outputs.append_token(sched, req, token)
         if req.finished_ns is not None:
             break           # finished: its caches are released, nothing to roll back
     is_rolled_back = req.finished_ns is None and num_accepted < len(drafts)

@@ -42,7 +42,9 @@ CASES = [
     ("MLA is never cut at the SSM tail", 100, 0, dict(is_mla=True, ssm_tail_ckpt=True),
      (100, True, CAP_WHOLE_PROMPT, None)),
     ("SSM tail cut", 100, 64, dict(ssm_tail_ckpt=True), (32, False, CAP_SSM_TAIL, 96)),
-    ("SSM tail: mid-chunk capture on, no cut", 100, 64, dict(ssm_tail_ckpt=True, ssm_tail_midchunk=True),
+    ("SSM tail: mid-chunk capture on, no cut, the boundary still on the row", 100, 64,
+     dict(ssm_tail_ckpt=True, ssm_tail_midchunk=True), (36, True, CAP_REMAINING, 96)),
+    ("SSM tail: mid-chunk capture without the lever does nothing", 100, 64, dict(ssm_tail_midchunk=True),
      (36, True, CAP_REMAINING, None)),
     ("SSM tail lever off", 100, 64, {}, (36, True, CAP_REMAINING, None)),
     ("SSM tail: chunk ends exactly on it", 100, 0, dict(ssm_tail_ckpt=True, max_prefill_tokens=96),
@@ -134,8 +136,9 @@ def test_planning_from_zero_tiles_the_prompt(prompt_len, rules):
     assert [p.is_last for _, p in chunks] == [False] * (len(chunks) - 1) + [True]
     cap = min(rules["max_prefill_tokens"], rules["slice_budget"] or rules["max_prefill_tokens"])
     bs = rules["block_size"]
-    lever_on = rules["ssm_tail_ckpt"] and not rules["ssm_tail_midchunk"] and bs is not None
-    tail = ssm_tail_boundary(prompt_len, bs) if lever_on else None
+    in_force = rules["ssm_tail_ckpt"] and bs is not None
+    tail = ssm_tail_boundary(prompt_len, bs) if in_force else None
+    cut = tail if not rules["ssm_tail_midchunk"] else None   # mid-chunk capture never cuts
     if rules["is_mla"]:
         assert len(chunks) == 1
         return
@@ -148,9 +151,9 @@ def test_planning_from_zero_tiles_the_prompt(prompt_len, rules):
         if p.is_last:
             continue
         on_block = bs is not None and end % bs == 0
-        at_marks = end in (tail, rules["tail_split"])
+        at_marks = end in (cut, rules["tail_split"])
         # The only other way to end: the cap itself stopped short of the next boundary.
         cap_short = p.length == cap and (bs is None or (offset // bs + 1) * bs > end)
         assert on_block or at_marks or cap_short, (offset, p)
-    if tail is not None:
-        assert tail in ends  # the SSM snapshot lands where the next turn's prefix match stops
+    if cut is not None:
+        assert cut in ends  # the SSM snapshot lands where the next turn's prefix match stops

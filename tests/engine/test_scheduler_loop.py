@@ -192,3 +192,52 @@ def test_ssm_state_is_normalized_after_every_chunk_on_both_paths(tiny, monkeypat
         assert len(calls) == len(chunks), (levers.bisect_no_mix, calls)
         expected_path = ev.PATH_PREFILL if levers.bisect_no_mix else ev.PATH_MIXED
         assert any(c.path == expected_path and c.request_id == 1 for c in chunks)
+
+
+def test_a_mixed_kv_fallback_chunk_counts_its_prefill_tokens(tiny):
+    # Mixing on and a small cache: the fused forward finds no blocks, the chunk runs plainly
+    # (preempting) and the tick counts the tokens it computed.
+    levers = defaults().replace(max_prefill_tokens=32)
+    requests = [(0, list(range(1, 120)), {"max_tokens": 40}), (1, list(range(5, 40)), {"max_tokens": 40}),
+                (2, list(range(7, 200)), {"max_tokens": 8})]
+    _, rows = run(tiny, requests, levers, kv_blocks=18, stagger=4)
+    ticks = {t.tick: t for t in rows if isinstance(t, ev.Tick)}
+    fallbacks = [c for c in rows if isinstance(c, ev.ChunkDecision) and c.outcome == ev.OUTCOME_MIXED_KV_FALLBACK]
+    assert fallbacks, "the budget must make the fused forward fall back"
+    for chunk in fallbacks:
+        assert chunk.path == ev.PATH_PREFILL and ticks[chunk.tick].num_prefill_tokens == chunk.length
+    chunks = [c for c in rows if isinstance(c, ev.ChunkDecision)]
+    assert {c.outcome for c in chunks} <= set(ev.CHUNK_OUTCOMES)
+    assert sum(t.num_prefill_tokens for t in ticks.values()) == sum(
+        c.length for c in chunks if c.outcome in ev.COMPUTED_OUTCOMES)
+
+
+def test_midchunk_capture_keeps_the_tail_boundary_on_the_chunk_rows(tiny):
+    from engine.scheduler.chunk_plan import ssm_tail_boundary
+
+    runner = ModelRunner(tiny, num_kv_blocks=128, num_ssm_slots=4)
+    rows: list = []
+    levers = defaults().replace(ssm_tail_ckpt=True, ssm_tail_midchunk=True, max_prefill_tokens=64)
+    sched = Scheduler(runner, levers, emit=rows.append, prefix_cache=True)
+    sched.submit(0, list(range(1, 101)), {"max_tokens": 2})
+    while sched.has_work:
+        sched.step()
+    chunks = [c for c in rows if isinstance(c, ev.ChunkDecision)]
+    assert [c.ssm_tail_boundary for c in chunks] == [ssm_tail_boundary(100, 16)] * len(chunks) == [96, 96]
+    assert all(c.cap_rule != ev.CAP_SSM_TAIL for c in chunks)  # captured inside the chunk, not cut
+    taken = [r for r in rows if isinstance(r, ev.GenericEvent) and r.kind == "snapshot_taken"]
+    assert [r.detail["how"] for r in taken] == ["midchunk"]
+
+
+def test_decode_rows_without_an_ssm_slot_sort_by_their_own_key():
+    from types import SimpleNamespace
+
+    from engine.scheduler.decode_step import order_batch
+
+    def request(request_id, slot):
+        return SimpleNamespace(request_id=request_id, seq=SimpleNamespace(ssm_slot=slot))
+
+    sched = SimpleNamespace(active=[request(9, 3), request(2, None), request(5, 0), request(7, 1)])
+    # By SSM slot; the row without one by its request id (2), not ahead of everything at -1.
+    assert [r.request_id for r in order_batch(sched)] == [5, 7, 2, 9]
+    assert [r.request_id for r in sched.active] == [5, 7, 2, 9]

@@ -211,6 +211,31 @@ def test_pending_drafts_are_dropped_with_a_secondary_sync_before_a_mixed_forward
     assert blocked[0].mix_blocker == ev.BLOCK_SPECULATION  # b prefilled next to a lone speculative decode
 
 
+def test_dropped_drafts_take_their_ssm_copy_with_them(tiny):
+    a = (0, repetitive_prompt(5), {"max_tokens": 60})
+    b = (1, [7, 8, 9, 10, 11], {"max_tokens": 30})
+    c = (2, [random.Random(2).randrange(256) for _ in range(300)], {"max_tokens": 4})
+    _, alone = run(tiny, {0: [a]}, NGRAM)
+    t = min(r.tick for r in spec_rows(alone) if r.detail["reused_pending"])
+    rows: list = []
+    runner = ModelRunner(tiny, num_kv_blocks=256, num_ssm_slots=4)
+    sched = Scheduler(runner, NGRAM, emit=rows.append)
+    pending = {0: [a], t: [b], t + 2: [c]}
+    held_copy = False
+    while not any(isinstance(r, ev.GenericEvent) and r.kind == "drafts_dropped" for r in rows):
+        for request in pending.pop(sched.tick, []):
+            sched.submit(*request)
+        held_copy |= any(r.pending_snapshot is not None for r in sched.active)
+        assert sched.step()
+    assert held_copy, "a speculative step must have left drafts and their SSM copy"
+    # Right after the mixed tick that dropped the drafts: no SSM copy outlives them.
+    assert all(r.pending_snapshot is None and r.pending_drafts_at is None and not r.pending_drafts
+               for r in sched.active)
+    while sched.has_work:
+        sched.step()
+    assert all(r.pending_snapshot is None for r in sched.done)  # nor an ended request
+
+
 @pytest.mark.parametrize("kind, words", [("mtp", "multi-token-prediction head"),
                                          ("self", "self-speculative draft path")])
 def test_unsupported_kinds_are_rejected_and_the_previous_value_kept(tiny, kind, words):
