@@ -65,9 +65,10 @@ def lifecycle_events(db: Path, run_id: int, request_ids: list[int]) -> pd.DataFr
 
 
 def errors(db: Path, run_id: int, limit: int = 200) -> pd.DataFrame:
-    """Requests that ended with an error message: failed, rejected at admission, or ended by preemption."""
+    """Requests in a failure state (telemetry.events.FAILURE_STATUSES): failed, ended by preemption, or
+    rejected at admission. Cancelled ones are not failures (the client or the shutdown ended them)."""
     return query_df(db, "SELECT request_id, status, finished_ns / 1e6 AS at_ms, prompt_len, finish_reason, error "
-                        "FROM requests WHERE run_id = ? AND (status = 'error' OR error IS NOT NULL) "
+                        "FROM requests WHERE run_id = ? AND status IN ('error', 'preempted', 'rejected') "
                         "ORDER BY request_id DESC LIMIT ?", [run_id, int(limit)])
 
 

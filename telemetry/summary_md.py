@@ -32,7 +32,7 @@ def _table(headers: list[str], rows: list[list[Any]]) -> list[str]:
 _ERRORS_SQL = """
 SELECT 'request' AS source, coalesce(error, '(no message)') AS message, count(*) AS n,
        group_concat(request_id) AS ids, min(t_ns) AS first_ns
-FROM requests WHERE status = 'error' OR error IS NOT NULL GROUP BY message
+FROM requests WHERE status IN ('error', 'preempted', 'rejected') GROUP BY message
 UNION ALL
 SELECT 'chunk', 'chunk outcome ' || outcome, count(*), group_concat(request_id), min(t_ns)
 FROM chunks WHERE outcome LIKE 'failed%' GROUP BY outcome

@@ -106,3 +106,11 @@ def test_bundle_summary_md_counts_each_state(store, tmp_path):
         assert f"| {status} | {counts.get(status, 0)} |" in text
     assert f"| errors | {sum(counts.get(s, 0) for s in ev.FAILURE_STATUSES)} |" in text
     assert "| chunk | chunk outcome failed_forward | 1 | 4 |" in text
+    errors = text[text.index("## Errors"):text.index("## Lever changes")]
+    assert "client went away" not in errors  # a cancel is not a failure
+    assert "injected fault" in errors and "preempted: KV cache exhausted" in errors
+
+
+def test_the_failure_states_are_the_ones_the_sql_lists():
+    # summary_md.py and dashboard/queries_requests.py filter with this literal list.
+    assert ev.FAILURE_STATUSES == ("error", "preempted", "rejected")
