@@ -8,6 +8,7 @@ serves 50 more requests normally, the pools are empty, and the SQLite store is i
 """
 from __future__ import annotations
 
+import json
 import random
 import sqlite3
 from collections import Counter
@@ -17,6 +18,8 @@ import pytest
 from engine.model.fault import ForwardFault, InjectedFault
 from engine.model.loader import load_model
 from engine.model.runner import ModelRunner
+from engine.replay import load_input, replay_run
+from engine.replay_compare import compare
 from engine.scheduler.loop import Scheduler
 from telemetry import events as ev
 from telemetry.levers import defaults
@@ -230,5 +233,10 @@ def test_serve_with_the_fault_variable_keeps_serving(tmp_path):
     failed_lines = [line for line in log.splitlines() if "failed (InjectedFault" in line]
     assert len(failed_lines) == len(query(db, "SELECT id FROM events WHERE kind = 'forward_failed'")) >= 1
     assert "Traceback" not in log and "engine loop failed" not in log
-    config = query(db, "SELECT config FROM runs")[0]["config"]
-    assert '"fault_forward": "2:prefill+mixed+decode"' in config or '"fault_forward":"2:prefill+mixed+decode"' in config
+    config = json.loads(query(db, "SELECT config FROM runs")[0]["config"])
+    assert config["fault_forward"] == "2:prefill+mixed+decode"
+    # The run's config carries the hook, so a replay fails the same forward and matches tick for tick.
+    recorded, _ = load_input(str(db))
+    report = compare(recorded, replay_run(recorded, model="tiny"))
+    assert report["decisions_identical"] and report["tokens_identical"], report["first_divergence"]
+    assert {r["status_replayed"] for r in report["requests"] if r["request_id"] == 2} == {ev.REQ_ERROR}
