@@ -17,8 +17,9 @@ Checks, in order (a machine with a GPU runs all of it in a few minutes, well und
    the target is >= 1.3x on a GPU.
 
 Without CUDA it says so, runs the CPU-safe parts (the same parity, serve and ratio code on the
-CPU, as a reference; CPU parity runs with or without a GPU) and reports each GPU part as not run; the exit status is then 0 unless a
-CPU-safe part failed. With CUDA, any failed check makes it exit 1.
+CPU, as a reference; CPU parity runs with or without a GPU) and reports each GPU part as not
+run; the exit status is then 0 unless a CPU-safe part failed. With CUDA, any failed check makes
+it exit 1.
 """
 from __future__ import annotations
 

@@ -27,4 +27,5 @@ def test_gpu_check_without_cuda_runs_the_cpu_parts_and_exits_0():
     for cpu_part in ("parity cpu float32 (reference)", "parity cpu bfloat16 (reference)", "serve cpu + store check"):
         assert by_name[cpu_part] == "[ok]", lines
     assert by_name["fused vs separate forward (cpu)"] == "[info]"
-    assert done.stdout.splitlines()[-1].startswith("verdict: GPU parts not run (no CUDA device); CPU-safe parts: 3/3 ok")
+    verdict = done.stdout.splitlines()[-1]
+    assert verdict.startswith("verdict: GPU parts not run (no CUDA device); CPU-safe parts: 3/3 ok")
