@@ -85,9 +85,10 @@ def _run_mixed(sched: Scheduler, req: Request, chunk: ChunkPlan, row: ev.ChunkDe
                                        detail={"num_dropped": drop.num_dropped}))
     decodes = decode_step.order_batch(sched)
     slots = [a.seq.ssm_slot for a in decodes]
+    saved: SSMSnapshot | None = None
     with sched.streams.use(STREAM_PREFILL):
-        saved = sched.runner.ssm_pool.snapshot_slots(slots)  # put back if the fused forward fails
         try:
+            saved = sched.runner.ssm_pool.snapshot_slots(slots)  # put back if the fused forward fails
             prefill_logits, decode_logits = sched.runner.mixed_forward(
                 [a.seq for a in decodes], [a.last_token for a in decodes], req.seq,
                 req.prompt_tokens, req.chunk_offset, chunk.length, chunk.is_last,
@@ -122,11 +123,15 @@ def _run_mixed(sched: Scheduler, req: Request, chunk: ChunkPlan, row: ev.ChunkDe
     return len(decodes)
 
 
-def _fail_mixed(sched: Scheduler, req: Request, decodes: list[Request], slots: list[int], saved: SSMSnapshot,
-                exc: Exception) -> None:
-    """The fused forward raised: end the prefilling request, put the decode rows' state back."""
+def _fail_mixed(sched: Scheduler, req: Request, decodes: list[Request], slots: list[int],
+                saved: SSMSnapshot | None, exc: Exception) -> None:
+    """The fused forward raised: end the prefilling request, put the decode rows' state back.
+
+    ``saved`` is None when taking the snapshot itself failed: no forward ran, nothing moved.
+    """
     try:
-        sched.runner.ssm_pool.restore_slots(saved, slots)
+        if saved is not None:
+            sched.runner.ssm_pool.restore_slots(saved, slots)
     except Exception as restore_exc:
         forward_failure.end_prefill(sched, req, exc, stage=forward_failure.STAGE_MIXED, path=ev.PATH_MIXED)
         forward_failure.end_requests(sched, decodes, restore_exc, stage=forward_failure.STAGE_RESTORE,
