@@ -139,8 +139,7 @@ def replay_run(recorded: RecordedRun, *, model: str = "tiny", flips: dict[str, A
                          fault=ForwardFault.parse(config["fault_forward"]) if config.get("fault_forward") else None)
     sched = setup.scheduler
     submitted, lever_log = drive(sched, recorded, flips, cut_at_tick=None if flips else recorded.num_ticks)
-    # From the submitted objects, not ``sched.done``: Scheduler.stop() ends waiting
-    # requests without moving them to ``done``.
+    # From the submitted objects, in submission order (``sched.done`` holds them in end order).
     done = {r.request_id: ReplayedRequest(r.request_id, r.status, r.error, list(r.output_tokens))
             for r in submitted}
     return ReplayedRun(rows[ev.ChunkDecision], rows[ev.Tick], rows[ev.TokenEvent], done, lever_log)
