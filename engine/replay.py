@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from engine.engine_setup import build_engine, checkpoint_dir_of, checkpoint_hash
+from engine.kv_cache_args import OPTION_KEYS, add_kv_cache_args, kv_cache_options
 from engine.model.fault import ForwardFault
 from engine.replay_compare import ReplayedRequest, ReplayedRun, compare, text_report
 from engine.replay_record import RecordedRun, ReplayInputError, load_recorded_run
@@ -45,6 +46,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--flip", action="append", default=[], metavar="NAME=VALUE",
                    help="override a lever for the whole replay (repeatable), e.g. bisect_no_mix=true")
     p.add_argument("--model", default=None, help="'tiny' or a checkpoint directory (default: the run's model)")
+    add_kv_cache_args(p, from_run=True)
     p.add_argument("--ignore-checkpoint-hash", action="store_true",
                    help="replay even when the checkpoint differs from the recorded one (warns)")
     p.set_defaults(func=run)
@@ -110,14 +112,21 @@ def resolve_model(recorded: RecordedRun, model: str | None, *, ignore_hash: bool
     return model, ["warning: " + message]
 
 
+def recorded_kv_cache(config: dict[str, Any]) -> dict[str, Any]:
+    """The KV cache options a run recorded (a run from before they existed: full precision)."""
+    return {"kv_cache_dtype": "auto", **{k: config[k] for k in OPTION_KEYS if config.get(k) is not None}}
+
+
 def _lever_values(values: dict[str, Any]) -> LeverValues:
     known = {k: v for k, v in values.items() if k in LEVERS_BY_NAME}
     return defaults().replace(**known)
 
 
 def replay_run(recorded: RecordedRun, *, model: str = "tiny", flips: dict[str, Any] | None = None,
-               device: str | None = None) -> ReplayedRun:
-    """Re-run ``recorded`` on ``model`` (checked by the caller) and collect what the engine did."""
+               device: str | None = None, kv_cache: dict[str, Any] | None = None) -> ReplayedRun:
+    """Re-run ``recorded`` on ``model`` (checked by the caller) and collect what the engine did.
+
+    ``kv_cache``: KV cache options; by default the run's own (format, byte budget, InnerQ windows)."""
     flips = dict(flips or {})
     config = recorded.config
     device = device or config.get("device") or None
@@ -136,7 +145,8 @@ def replay_run(recorded: RecordedRun, *, model: str = "tiny", flips: dict[str, A
     setup = build_engine(model, kv_blocks=config["kv_blocks"], ssm_slots=config["ssm_slots"],
                          levers=levers, seed=int(config.get("seed", 0)), device=device, dtype=dtype,
                          emit=collect,  # only the rows a comparison needs are kept
-                         fault=ForwardFault.parse(config["fault_forward"]) if config.get("fault_forward") else None)
+                         fault=ForwardFault.parse(config["fault_forward"]) if config.get("fault_forward") else None,
+                         kv_cache=kv_cache if kv_cache is not None else recorded_kv_cache(config))
     sched = setup.scheduler
     submitted, lever_log = drive(sched, recorded, flips, cut_at_tick=None if flips else recorded.num_ticks)
     # From the submitted objects, in submission order (``sched.done`` holds them in end order).
@@ -196,7 +206,8 @@ def run(args: argparse.Namespace) -> int:
     model, warnings = resolve_model(recorded, args.model, ignore_hash=args.ignore_checkpoint_hash)
     for warning in warnings:
         print(warning, file=sys.stderr)
-    replayed = replay_run(recorded, model=model, flips=flips)
+    replayed = replay_run(recorded, model=model, flips=flips,
+                          kv_cache=kv_cache_options(args, recorded_kv_cache(recorded.config)))
     report = compare(recorded, replayed)
     report["flips"] = flips
     report["run_id"] = recorded.run_id

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from engine.engine_setup import EngineSetup, build_engine, run_started_row
+from engine.kv_cache_args import add_kv_cache_args, kv_cache_options
 from engine.lever_watch import LeverWatcher
 from engine.model.fault import ENV_VAR as FAULT_ENV_VAR, ForwardFault
 from engine.workload.request import RequestSpec
@@ -53,6 +54,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse cached prompt prefixes (KV blocks + SSM snapshots); default on")
     p.add_argument("--no-telemetry", action="store_true", help="run without writing telemetry (benchmarks)")
+    add_kv_cache_args(p)
     p.set_defaults(func=run)
 
 
@@ -67,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         log.warning("test fault hook %s armed: forwards carrying %s will raise", FAULT_ENV_VAR, fault.describe())
     setup = build_engine(args.model, kv_blocks=args.kv_blocks, ssm_slots=args.ssm_slots,
                          levers=base_levers, seed=args.seed, prefix_cache=args.prefix_cache,
-                         threads=args.threads, fault=fault)
+                         threads=args.threads, fault=fault, kv_cache=kv_cache_options(args))
     feed = WorkloadFeed.from_args(args, setup)
     writer, telemetry_error = None, None
     if not args.no_telemetry:

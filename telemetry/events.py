@@ -67,6 +67,11 @@ COMPUTED_OUTCOMES = (OUTCOME_OK, OUTCOME_MIXED_KV_FALLBACK, OUTCOME_FAILED_FIRST
 
 # ``GenericEvent.kind`` of a failed forward: one row per failure, naming the requests it ended.
 EVENT_FORWARD_FAILED = "forward_failed"
+# ``GenericEvent.kind`` of an InnerQ calibration state change (detail: old, new, tokens seen, scales).
+EVENT_KV_QUANT_STATE = "kv_quant_state"
+# KV cache quantization states a chunk row can carry (``ChunkDecision.kv_quant_state``):
+# off = full precision (--kv-cache-dtype auto); InnerQ moves calibrating -> ready -> applied.
+KV_QUANT_STATES = ("off", "calibrating", "ready", "applied")
 
 
 @dataclass
@@ -118,6 +123,8 @@ class Tick(Event):
     ssm_slots_used: int = 0
     ssm_slots_total: int = 0
     num_finished: int = 0               # requests that finished this tick
+    kv_bytes_used: int | None = None    # bytes of KV blocks in use (quantized blocks at their size)
+    kv_bytes_total: int | None = None   # the KV byte budget
 
 
 @dataclass
@@ -139,6 +146,7 @@ class ChunkDecision(Event):
     duration_ns: int = 0
     outcome: str = OUTCOME_OK           # one of CHUNK_OUTCOMES
     num_preempted: int = 0              # victims this chunk needed
+    kv_quant_state: str | None = None   # one of KV_QUANT_STATES: what the poll before this chunk left
 
 
 @dataclass

@@ -43,6 +43,7 @@ def run(sched: Scheduler) -> tuple[str, int, int]:
     """Advance the prefilling request by one chunk; returns (path, prefill tokens, decode tokens)."""
     req = sched.prefilling
     assert req is not None
+    kv_quant_state = poll_kv_quant(sched)  # where the reference calls poll_innerq: before planning
     chunk = plan(sched, req)
     verdict = can_mix(bisect_no_mix=sched.levers.bisect_no_mix, num_active=len(sched.active),
                       is_ep=sched.runner.is_ep, speculation=sched.levers.speculation)
@@ -53,7 +54,7 @@ def run(sched: Scheduler) -> tuple[str, int, int]:
         cap_rule=chunk.cap_rule, max_prefill_tokens=sched.levers.max_prefill_tokens,
         slice_budget=sched.levers.slice_budget if sched.levers.always_mixed else None,
         ssm_tail_boundary=chunk.ssm_tail_boundary, can_mix=verdict.can_mix,
-        mix_blocker=verdict.blocker, decode_width=len(sched.active))
+        mix_blocker=verdict.blocker, decode_width=len(sched.active), kv_quant_state=kv_quant_state)
     if req.chunk_offset == req.prefix_hit_tokens:  # the first computed chunk (after any cached prefix)
         sched.emit_request(req, "prefill_start")
     # The prefill stream runs after everything the default stream was given: the slot zeroing and
@@ -67,6 +68,17 @@ def run(sched: Scheduler) -> tuple[str, int, int]:
     row.duration_ns = sched.now_ns() - start
     sched.emit(row)
     return row.path, (chunk.length if row.outcome in ev.COMPUTED_OUTCOMES else 0), num_decode
+
+
+def poll_kv_quant(sched: Scheduler) -> str:
+    """Move InnerQ's calibration on (calibrating -> ready -> applied); a change is one event on
+    the timeline. Returns the state this chunk runs under."""
+    change = sched.runner.poll_kv_quant()
+    if change is not None:
+        sched.emit(ev.GenericEvent(tick=sched.tick, t_ns=sched.now_ns(), kind=ev.EVENT_KV_QUANT_STATE,
+                                   request_id=sched.prefilling.request_id if sched.prefilling else None,
+                                   detail=change))
+    return sched.runner.kv_quant_state
 
 
 def _run_mixed(sched: Scheduler, req: Request, chunk: ChunkPlan, row: ev.ChunkDecision) -> int:
