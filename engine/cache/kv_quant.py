@@ -118,12 +118,19 @@ def quantize(x: torch.Tensor, bits: int, group_size: int,
     # Symmetric codes use mid-(mid-1) .. mid+(mid-1): 2^bits - 1 levels around an exact zero.
     sym_step = 2 * torch.maximum(lo.abs(), hi.abs()) / (levels - 1)
     symmetric = sym_step <= symmetric_tolerance * asym_step
-    scale = torch.where(symmetric, sym_step, asym_step).clamp_min(MIN_SCALE).to(SCALE_DTYPE)
+    scale = _fp16_at_least(torch.where(symmetric, sym_step, asym_step).clamp_min(MIN_SCALE))
     zero = torch.where(symmetric, -mid * scale.float(), lo).to(SCALE_DTYPE)
     # Codes from the fp16-rounded scale and zero, so reading back uses exactly these numbers.
     codes = ((groups - zero.float()[..., None]) / scale.float()[..., None]).round_().clamp_(0, levels)
     codes = codes.to(torch.uint8).flatten(-2)  # [..., D]
     return pack(codes, bits), scale, zero
+
+
+def _fp16_at_least(x: torch.Tensor) -> torch.Tensor:
+    """fp16 values >= x: a scale rounded down would let the top of the group fall off the codes."""
+    rounded = x.to(SCALE_DTYPE)
+    low = rounded.float() < x
+    return torch.where(low, torch.nextafter(rounded, torch.full_like(rounded, float("inf"))), rounded)
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group_size: int,
