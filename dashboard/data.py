@@ -53,6 +53,11 @@ def timeline_window(db: str, run_id: int, version: Version, window_s: float):
 
 
 @st.cache_data(max_entries=_ENTRIES, show_spinner=False)
+def kv_quant_status(db: str, run_id: int, version: Version) -> dict | None:
+    return queries_live.kv_quant_status(Path(db), run_id)
+
+
+@st.cache_data(max_entries=_ENTRIES, show_spinner=False)
 def latency_percentiles(db: str, run_id: int, version: Version) -> pd.DataFrame:
     return queries_live.latency_percentiles(Path(db), run_id)
 

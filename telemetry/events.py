@@ -125,6 +125,8 @@ class Tick(Event):
     num_finished: int = 0               # requests that finished this tick
     kv_bytes_used: int | None = None    # bytes of KV blocks in use (quantized blocks at their size)
     kv_bytes_total: int | None = None   # the KV byte budget
+    kv_tokens_used: int | None = None   # token slots of the blocks in use (blocks x block size)
+    kv_tokens_total: int | None = None  # token slots in use + what the free bytes hold as new blocks
 
 
 @dataclass

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import charts, context, data, engine_panel, live_timeline, prefix_panel
+from dashboard import charts, context, data, engine_panel, kv_gauges, live_timeline, prefix_panel
 from dashboard.context import RunContext
 from dashboard.db import DataUnavailable
 
@@ -21,15 +21,18 @@ def counters(ctx: RunContext, window_s: float) -> int | None:
     if c is None:
         st.info(f"Run {ctx.run_id} has no ticks yet.")
         return None
-    cols = st.columns([1, 1.3, 1, 1.5, 1.2, 1.2, 1.2, 1.3])    # room for "123 / 512" and 6-digit ticks
+    cols = st.columns([1, 1.3, 1, 1.7, 1.6, 1.2, 1.2, 1.2, 1.3])    # room for "1,234 / 8,192" and 6-digit ticks
     cols[0].metric("waiting", c["num_waiting"])
     cols[1].metric("active (decoding)", c["num_active"])
     cols[2].metric("prefilling", c["num_prefilling"])
-    cols[3].metric("KV blocks", f"{c['kv_blocks_used']} / {c['kv_blocks_total']}")
-    cols[4].metric("SSM slots", f"{c['ssm_slots_used']} / {c['ssm_slots_total']}")
-    cols[5].metric("decode tok/s", f"{c['decode_tok_s']:.1f}")
-    cols[6].metric("prefill tok/s", f"{c['prefill_tok_s']:.1f}")
-    cols[7].metric("tick", c["tick"])
+    tokens, size = kv_gauges.kv_gauges(c)
+    cols[3].metric("KV tokens", tokens, help=f"KV blocks {c['kv_blocks_used']} / {c['kv_blocks_total']}; "
+                   "total = tokens in use + what the free bytes hold as new (full-precision) blocks")
+    cols[4].metric("KV MiB", size)
+    cols[5].metric("SSM slots", f"{c['ssm_slots_used']} / {c['ssm_slots_total']}")
+    cols[6].metric("decode tok/s", f"{c['decode_tok_s']:.1f}")
+    cols[7].metric("prefill tok/s", f"{c['prefill_tok_s']:.1f}")
+    cols[8].metric("tick", c["tick"])
     return int(c["t_ns"] + c["duration_ns"])
 
 
@@ -42,12 +45,13 @@ def render(ctx: RunContext) -> None:
         st.warning(f"Run {ctx.run_id} is marked running but no tick has arrived for {age:.0f} s.")
     win = data.timeline_window(ctx.db, ctx.run_id, ctx.version, float(window_s))
     fig = charts.timeline_figure(win.forwards, win.stream_events, win.links, win.preemptions,
-                                 win.lever_changes, (win.start_ms, win.end_ms))
+                                 win.lever_changes, (win.start_ms, win.end_ms), win.kv_quant_changes)
     live_timeline.render(fig, key="live_timeline", revision=end_ns)   # stays mounted: no blank frame, zoom kept
     mode = "bucketed into WebGL segments" if win.is_bucketed else "one bar per forward"
     st.caption(f"last {window_s} s of run {ctx.run_id} ({ctx.run.get('status')}): {win.num_forwards} forwards, "
                f"{mode}; {len(win.stream_events)} stream events, {len(win.preemptions)} preemptions, "
-               f"{len(win.lever_changes)} lever changes")
+               f"{len(win.lever_changes)} lever changes"
+               + kv_gauges.kv_quant_caption(data.kv_quant_status(ctx.db, ctx.run_id, ctx.version)))
     latency = data.latency_percentiles(ctx.db, ctx.run_id, ctx.version)
     left, right = st.columns([2, 3])
     left.dataframe(latency.drop(columns="scope").round(2), hide_index=True, key="live_latency_table")

@@ -201,7 +201,8 @@ class Scheduler:
             num_prefilling=int(self.prefilling is not None), kv_blocks_used=bm.num_used,
             kv_blocks_total=bm.num_usable, ssm_slots_used=pool.num_used,
             ssm_slots_total=pool.num_slots, num_finished=num_finished,
-            kv_bytes_used=self.runner.kv_bytes_used, kv_bytes_total=self.runner.kv_bytes_total))
+            kv_bytes_used=self.runner.kv_bytes_used, kv_bytes_total=self.runner.kv_bytes_total,
+            kv_tokens_used=bm.num_used * bm.block_size, kv_tokens_total=(bm.num_used + bm.num_free) * bm.block_size))
         self.last_path = path
         self.tick += 1
         return True
