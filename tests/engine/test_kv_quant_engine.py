@@ -169,3 +169,17 @@ def test_the_prefix_cache_shares_quantized_blocks_as_they_are(tiny):
     assert sum(r.prefix_hit_tokens for r in sched.done) > 0
     assert shared_quantized, "a later turn attached blocks that were already quantized"
     assert all(r.status == ev.REQ_FINISHED for r in sched.done)
+
+
+def test_speculative_verify_forwards_write_full_precision_and_never_calibrate(tiny):
+    """n-gram verify forwards run outside the runner's mixed forward: their rows are not prefill
+    keys for the calibration, and rolled-back positions never sit in a quantized block."""
+    repetitive = [[(7 * i + j) % 11 + 40 for j in range(60)] for i in range(4)]
+    specs = [(i, p, {"max_tokens": 48, "min_tokens": 48}, None) for i, p in enumerate(repetitive)]
+    sched, rows, outputs = serve(tiny, "innerq4", specs, calib=64, levers={"speculation": "ngram"})
+    spec_steps = [r for r in rows if isinstance(r, ev.GenericEvent) and r.kind == "spec_step"]
+    assert spec_steps, "the run must have verified drafts"
+    prefill_tokens = sum(c.length for c in rows if isinstance(c, ev.ChunkDecision)
+                         and c.kv_quant_state == STATE_CALIBRATING)
+    assert sched.runner.innerq.calibration.tokens_seen == prefill_tokens
+    assert all(len(t) == 48 for t in outputs.values())
