@@ -33,6 +33,7 @@ def bundle(tmp_path_factory):
 def test_a_quantized_run_replays_identically(bundle):
     recorded, manifest = load_input(str(bundle))
     assert recorded.config["kv_cache_dtype"] == "innerq4" and recorded.config["kv_recent_tokens"] == 16
+    assert manifest["engine_config"]["kv_cache_dtype"] == "innerq4"   # the bundle says it up front
     states = {c.kv_quant_state for c in recorded.chunks}
     assert states == {"calibrating", "ready", "applied"}, "the run must cover the whole calibration"
     replayed = replay_run(recorded, model="tiny")
