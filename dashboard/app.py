@@ -32,10 +32,15 @@ def run_picker() -> None:
         return  # the page says why
     if runs.empty:
         return
-    newest = runs.iloc[0]
-    labels = {context.LATEST: f"latest (run {int(newest['run_id'])} · {newest['status']})"}
-    labels.update({int(r.run_id): f"run {int(r.run_id)} · {r.status} · {r.model}" for r in runs.itertuples()})
+    # Labels never carry the status: the browser sends the picked label back, and a label that
+    # changed under it (running -> finished) would no longer name an option.
+    labels = {context.LATEST: "latest run"}
+    labels.update({int(r.run_id): f"run {int(r.run_id)} · {r.model}" for r in runs.itertuples()})
+    if st.session_state.get(context.RUN_KEY, context.LATEST) not in labels:
+        st.session_state[context.RUN_KEY] = context.LATEST
     st.sidebar.selectbox("run", list(labels), format_func=labels.get, key=context.RUN_KEY)
+    shown = runs[runs["run_id"] == context.chosen_run_id(str(paths.db))].iloc[0]
+    st.sidebar.caption(f"run {int(shown['run_id'])}: {shown['status']}")
 
 
 run_picker()

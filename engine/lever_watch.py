@@ -88,6 +88,13 @@ class LeverWatcher:
             self._observer.join(timeout=2)
             self._observer = None
 
+    def wait_for_change(self, timeout_s: float) -> bool:
+        """Block up to ``timeout_s`` until the observer flags the file; True when it did.
+
+        The loop waits here when no step can run (a stall), instead of spinning.
+        """
+        return self._dirty.wait(timeout_s)
+
     def _stat_changed(self) -> bool:
         now = time.monotonic()
         if now - self._last_stat_check < STAT_RECHECK_S:

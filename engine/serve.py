@@ -19,6 +19,7 @@ import torch
 
 from engine.engine_setup import EngineSetup, build_engine, run_started_row
 from engine.lever_watch import LeverWatcher
+from engine.stall_watch import STALL_WAIT_S, StallWatch
 from engine.model.fault import ENV_VAR as FAULT_ENV_VAR, ForwardFault
 from engine.workload.request import RequestSpec
 from engine.workload_feed import WorkloadFeed
@@ -77,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
     status_file = StatusReporter(run_dir)
     _log_env_levers(sched)
     watcher = LeverWatcher(run_dir / "levers.json", base_levers)
+    stall = StallWatch()
     stop = _install_stop_handlers()
     status = "finished"
     t_start = time.monotonic()
@@ -90,9 +92,15 @@ def run(args: argparse.Namespace) -> int:
                 _submit(sched, spec)
             _poll_levers(sched, watcher)
             _report_writer_health(sched, writer)
-            status_file.maybe_write(_status_fields(sched, writer, telemetry_error, "serving"))
+            status_file.maybe_write(_status_fields(sched, writer, telemetry_error, "serving", stall))
             if sched.has_work:
-                sched.step()
+                was_blocked = stall.blocker
+                if stall.after_step(sched, sched.step()):
+                    if stall.blocker != was_blocked:  # a new blocker reaches the heartbeat at once
+                        status_file.maybe_write(_status_fields(sched, writer, telemetry_error, "serving", stall),
+                                                force=True)
+                    # Nothing can run until a lever changes, a request arrives or a stop comes.
+                    watcher.wait_for_change(min(STALL_WAIT_S, max(0.0, feed.next_arrival_s() - elapsed)))
             elif feed.is_exhausted:
                 break
             else:
@@ -106,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         sched.stop()
         if writer is not None:
             writer.close(status)
-        status_file.maybe_write(_status_fields(sched, writer, telemetry_error, status), force=True)
+        status_file.maybe_write(_status_fields(sched, writer, telemetry_error, status, stall), force=True)
         log.info("run %s after %d ticks", status, sched.tick)
     return 0
 
@@ -136,9 +144,10 @@ def _open_telemetry(db_path: Path, setup: EngineSetup, args, feed) -> tuple[Tele
     return None, error
 
 
-def _status_fields(sched, writer, telemetry_error: str | None, state: str) -> dict:
-    """What the heartbeat file says: progress, queue sizes and telemetry health."""
+def _status_fields(sched, writer, telemetry_error: str | None, state: str, stall: StallWatch) -> dict:
+    """What the heartbeat file says: progress, queue sizes, caches, the blocker and telemetry health."""
     return {
+        **stall.status_fields(sched),
         "state": state, "run_id": writer.run_id if writer is not None else None, "tick": sched.tick,
         "num_waiting": len(sched.waiting), "num_active": len(sched.active),
         "num_prefilling": int(sched.prefilling is not None), "num_done": sched.num_done,

@@ -1,0 +1,53 @@
+"""What a user can type or leave behind never reaches a traceback: search boxes, a stale run label."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import APP
+from dashboard.paths import ENV_RUN_DIR
+from dashboard.queries_requests import MAX_REQUEST_ID, BadSearch, parse_request_id, parse_search
+
+BAD_SEARCHES = ["99999999999999999999999", "1-99999999999999999999999", "²", "1-²", "3, ²", str(2**63)]
+
+
+@pytest.mark.parametrize("text", BAD_SEARCHES)
+def test_parse_search_rejects_what_sqlite_cannot_take(text):
+    with pytest.raises(BadSearch):
+        parse_search(text)
+
+
+def test_parse_search_keeps_the_good_forms():
+    assert parse_search(" 12 ") == [12] and parse_search("3, 7") == [3, 7] and parse_search("10-20") == (10, 20)
+    assert parse_search(str(MAX_REQUEST_ID)) == [MAX_REQUEST_ID]
+    assert parse_request_id("0") == 0
+
+
+@pytest.mark.parametrize("text", BAD_SEARCHES)
+def test_requests_search_box_says_why_inline(app, text):
+    at = app("requests")
+    at.text_input(key="requests_search").input(text).run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert at.error and len(at.error[0].value.splitlines()) == 1
+
+
+@pytest.mark.parametrize("text", [str(2**63), "99999999999999999999999", "²", "-3"])
+def test_chunks_request_box_says_why_inline(app, text):
+    at = app("chunks")
+    at.text_input(key="chunks_request").input(text).run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert at.error and "request id" in at.error[0].value
+
+
+@pytest.mark.parametrize("stale", ["latest (run 2 · finished)", "run 9 · tiny", 99])
+def test_a_stale_run_choice_falls_back_to_the_latest_run(run_fixture, monkeypatch, stale):
+    """The browser sends back the label it showed; after Stop engine that label (with the old
+    status) named no option any more, and ``int()`` of it crashed every page once a second."""
+    from streamlit.testing.v1 import AppTest
+
+    monkeypatch.setenv(ENV_RUN_DIR, str(run_fixture.run_dir))
+    at = AppTest.from_file(APP, default_timeout=30)
+    at.session_state["chosen_run"] = stale
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert "run 2: crashed" in [c.value for c in at.sidebar.caption]
+    assert at.sidebar.selectbox[0].value == "latest"
