@@ -33,6 +33,7 @@ from engine.replay_compare import ReplayedRequest, ReplayedRun, compare, text_re
 from engine.replay_record import RecordedRun, ReplayInputError, load_recorded_run
 from telemetry import events as ev
 from telemetry.levers import LEVERS_BY_NAME, LeverValues, LeversError, defaults
+from telemetry import cli_args
 
 log = logging.getLogger("chunkscope.replay")
 
@@ -40,7 +41,7 @@ log = logging.getLogger("chunkscope.replay")
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("replay", help="re-run a recorded run and compare decisions and tokens")
     p.add_argument("bundle", help="a bug-report bundle (.zip), or a telemetry.db / run directory")
-    p.add_argument("--run", type=int, default=None, help="run id inside a telemetry.db (default: latest)")
+    p.add_argument("--run", type=cli_args.run_id, default=None, help="run id inside a telemetry.db (default: latest)")
     p.add_argument("--json", action="store_true", help="print the comparison as one JSON object")
     p.add_argument("--flip", action="append", default=[], metavar="NAME=VALUE",
                    help="override a lever for the whole replay (repeatable), e.g. bisect_no_mix=true")

@@ -27,10 +27,14 @@ from telemetry.levers import defaults, from_env
 from telemetry.engine_status import StatusReporter
 from telemetry.writer import TelemetryWriteError, TelemetryWriter, mark_crashed_runs
 from telemetry import events as ev
+from telemetry import cli_args
+from telemetry.cli_args import bounded_float, bounded_int
 
 log = logging.getLogger("chunkscope.serve")
 IDLE_SLEEP_S = 0.02
-DONE_KEPT = 1024  # ended requests held in memory by an endless server (their rows are in SQLite)
+DONE_KEPT = 1024
+MAX_KV_BLOCKS = 1 << 22   # 64M tokens of 16: beyond it the cache cannot be allocated anyway
+MAX_SSM_SLOTS = 4096  # ended requests held in memory by an endless server (their rows are in SQLite)
 
 
 def add_parser(subparsers) -> None:
@@ -39,18 +43,18 @@ def add_parser(subparsers) -> None:
     p.add_argument("--run-dir", required=True, help="directory for telemetry.db and levers.json")
     p.add_argument("--workload", default="synthetic",
                    help="synthetic | multiturn | trace:PATH | bundle:PATH (default synthetic)")
-    p.add_argument("--rate", type=float, default=4.0, help="arrival rate, requests/s (synthetic, multiturn)")
-    p.add_argument("--requests", type=int, default=None, help="stop after this many requests (default: endless)")
-    p.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
-    p.add_argument("--kv-blocks", type=int, default=512, help="physical KV blocks (16 tokens each)")
-    p.add_argument("--ssm-slots", type=int, default=32, help="SSM state slots = most sequences at once")
-    p.add_argument("--seed", type=int, default=0, help="workload and sampling seed")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--rate", type=bounded_float(0.0, 1e6, low_open=True), default=4.0, help="arrival rate, requests/s (synthetic, multiturn)")
+    p.add_argument("--requests", type=cli_args.positive_int, default=None, help="stop after this many requests (default: endless)")
+    p.add_argument("--duration", type=cli_args.positive_float, default=None, help="stop after this many seconds")
+    p.add_argument("--kv-blocks", type=bounded_int(1, MAX_KV_BLOCKS), default=512, help="physical KV blocks (16 tokens each)")
+    p.add_argument("--ssm-slots", type=bounded_int(1, MAX_SSM_SLOTS), default=32, help="SSM state slots = most sequences at once")
+    p.add_argument("--seed", type=cli_args.seed, default=0, help="workload and sampling seed")
+    p.add_argument("--threads", type=bounded_int(1, 1024), default=None,
                    help="torch CPU threads (default: 1 for the tiny model, whose ops are too small to split)")
-    p.add_argument("--time-scale", type=float, default=1.0, help="trace: multiply inter-arrival gaps")
-    p.add_argument("--length-scale", type=float, default=1.0, help="trace: multiply prompt/output lengths")
-    p.add_argument("--limit", type=int, default=None, help="trace: number of rows to replay")
-    p.add_argument("--start", type=int, default=0, help="trace: first row to replay")
+    p.add_argument("--time-scale", type=cli_args.positive_float, default=1.0, help="trace: multiply inter-arrival gaps")
+    p.add_argument("--length-scale", type=cli_args.positive_float, default=1.0, help="trace: multiply prompt/output lengths")
+    p.add_argument("--limit", type=cli_args.positive_int, default=None, help="trace: number of rows to replay")
+    p.add_argument("--start", type=cli_args.non_negative_int, default=0, help="trace: first row to replay")
     p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse cached prompt prefixes (KV blocks + SSM snapshots); default on")
     p.add_argument("--no-telemetry", action="store_true", help="run without writing telemetry (benchmarks)")
@@ -59,7 +63,12 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ValueError(f"--run-dir {run_dir}: exists and is not a directory (or sits under a file)") from None
+    except OSError as exc:
+        raise ValueError(f"--run-dir {run_dir}: cannot create it: {exc.strerror or exc}") from None
     _setup_logging(run_dir)
     db_path = run_dir / "telemetry.db"
     base_levers = from_env(os.environ)
