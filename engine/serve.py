@@ -43,16 +43,21 @@ def add_parser(subparsers) -> None:
     p.add_argument("--run-dir", required=True, help="directory for telemetry.db and levers.json")
     p.add_argument("--workload", default="synthetic",
                    help="synthetic | multiturn | trace:PATH | bundle:PATH (default synthetic)")
-    p.add_argument("--rate", type=bounded_float(0.0, 1e6, low_open=True), default=4.0, help="arrival rate, requests/s (synthetic, multiturn)")
-    p.add_argument("--requests", type=cli_args.positive_int, default=None, help="stop after this many requests (default: endless)")
+    p.add_argument("--rate", type=bounded_float(0.0, 1e6, low_open=True), default=4.0,
+                   help="arrival rate, requests/s (synthetic, multiturn)")
+    p.add_argument("--requests", type=cli_args.positive_int, default=None,
+                   help="stop after this many requests (default: endless)")
     p.add_argument("--duration", type=cli_args.positive_float, default=None, help="stop after this many seconds")
-    p.add_argument("--kv-blocks", type=bounded_int(1, MAX_KV_BLOCKS), default=512, help="physical KV blocks (16 tokens each)")
-    p.add_argument("--ssm-slots", type=bounded_int(1, MAX_SSM_SLOTS), default=32, help="SSM state slots = most sequences at once")
+    p.add_argument("--kv-blocks", type=bounded_int(1, MAX_KV_BLOCKS), default=512,
+                   help="physical KV blocks (16 tokens each)")
+    p.add_argument("--ssm-slots", type=bounded_int(1, MAX_SSM_SLOTS), default=32,
+                   help="SSM state slots = most sequences at once")
     p.add_argument("--seed", type=cli_args.seed, default=0, help="workload and sampling seed")
     p.add_argument("--threads", type=bounded_int(1, 1024), default=None,
                    help="torch CPU threads (default: 1 for the tiny model, whose ops are too small to split)")
     p.add_argument("--time-scale", type=cli_args.positive_float, default=1.0, help="trace: multiply inter-arrival gaps")
-    p.add_argument("--length-scale", type=cli_args.positive_float, default=1.0, help="trace: multiply prompt/output lengths")
+    p.add_argument("--length-scale", type=cli_args.positive_float, default=1.0,
+                   help="trace: multiply prompt/output lengths")
     p.add_argument("--limit", type=cli_args.positive_int, default=None, help="trace: number of rows to replay")
     p.add_argument("--start", type=cli_args.non_negative_int, default=0, help="trace: first row to replay")
     p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,

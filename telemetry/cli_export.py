@@ -14,8 +14,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     export.add_argument("--db", required=True, help="telemetry SQLite file (may be live)")
     export.add_argument("--run", type=cli_args.run_id, default=None, help="run id (default: the latest run)")
     export.add_argument("-o", "--output", required=True, help="bundle zip to write")
-    export.add_argument("--since-s", type=cli_args.non_negative_float, default=None, help="keep rows from this many seconds into the run")
-    export.add_argument("--until-s", type=cli_args.non_negative_float, default=None, help="keep rows before this many seconds into the run")
+    export.add_argument("--since-s", type=cli_args.non_negative_float, default=None,
+                        help="keep rows from this many seconds into the run")
+    export.add_argument("--until-s", type=cli_args.non_negative_float, default=None,
+                        help="keep rows before this many seconds into the run")
     export.add_argument("--force", action="store_true", help="replace the output if it exists")
     export.set_defaults(handler=cmd_export)
 

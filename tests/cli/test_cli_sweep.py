@@ -51,12 +51,15 @@ def cases(d: dict[str, str]) -> list[list[str]]:
         ["telemetry"], ["telemetry", "bogus"], ["telemetry", "runs"],
         ["telemetry", "runs", "--db", d["missing"]], ["telemetry", "runs", "--db", d["dir"]],
         ["telemetry", "runs", "--db", d["garbage"]],
-        ["telemetry", "summary", "--db", d["good"], "--run", BIG], ["telemetry", "summary", "--db", d["good"], "--run", "-1"],
+        ["telemetry", "summary", "--db", d["good"], "--run", BIG],
+        ["telemetry", "summary", "--db", d["good"], "--run", "-1"],
         ["telemetry", "summary", "--db", d["good"], "--run", "abc"], ["telemetry", "summary", "--db", d["missing"]],
         ["telemetry", "summary", "--db", d["dir"]], ["telemetry", "summary", "--db", d["garbage"]],
-        ["telemetry", "tail", "--db", d["missing"], "--once"], ["telemetry", "tail", "--db", d["good"], "--run", "77", "--once"],
+        ["telemetry", "tail", "--db", d["missing"], "--once"],
+        ["telemetry", "tail", "--db", d["good"], "--run", "77", "--once"],
         ["telemetry", "tail", "--db", d["good"], "--run", BIG, "--once"],
-        ["telemetry", "tail", "--db", d["good"], "--interval", "-1"], ["telemetry", "tail", "--db", d["good"], "--interval", "nan"],
+        ["telemetry", "tail", "--db", d["good"], "--interval", "-1"],
+        ["telemetry", "tail", "--db", d["good"], "--interval", "nan"],
         ["telemetry", "tail", "--db", d["dir"], "--once"], ["telemetry", "tail", "--db", d["garbage"], "--once"],
         ["telemetry", "export", "--db", d["missing"], "-o", d["out"]],
         ["telemetry", "export", "--db", d["good"], "-o", d["missing"] + "/deeper/x.zip"],
@@ -110,10 +113,12 @@ def sweep(tmp_path_factory):
 
 
 def test_the_sweep_covers_every_subcommand(sweep):
-    commands = {tuple(r["argv"][:2]) for r in sweep} | {tuple(r["argv"][:3]) for r in sweep if r["argv"][1:2] == ["levers"]}
+    commands = {tuple(r["argv"][:2]) for r in sweep}
+    commands |= {tuple(r["argv"][:3]) for r in sweep if r["argv"][1:2] == ["levers"]}
     for expected in [("engine", "generate"), ("engine", "serve"), ("engine", "replay"), ("telemetry", "runs"),
                      ("telemetry", "summary"), ("telemetry", "tail"), ("telemetry", "export"),
-                     ("telemetry", "levers", "get"), ("telemetry", "levers", "set"), ("telemetry", "levers", "validate")]:
+                     ("telemetry", "levers", "get"), ("telemetry", "levers", "set"),
+                     ("telemetry", "levers", "validate")]:
         assert expected in commands
     assert len(sweep) >= 70
 
@@ -125,5 +130,6 @@ def test_bad_arguments_get_one_line_and_a_nonzero_exit(sweep):
         # argparse prints its usage line first; the error is then the one line that follows.
         errors = [line for line in lines if not line.startswith(("usage:", "       "))]
         if result["rc"] == 0 or "Traceback" in result["stderr"] or len(errors) != 1:
-            bad.append(f"{' '.join(result['argv'])}\n    rc={result['rc']} stderr={result['stderr'][-600:]!r}")
+            bad.append(f"{' '.join(result['argv'])}\n    rc={result['rc']} "
+                       f"stderr={result['stderr'][-600:]!r}")
     assert not bad, f"{len(bad)} of {len(sweep)} command lines misbehave:\n" + "\n".join(bad)
