@@ -19,6 +19,7 @@ import torch
 
 from engine.engine_setup import EngineSetup, build_engine, run_started_row
 from engine.lever_watch import LeverWatcher
+from engine.run_dir_lock import lock_run_dir
 from engine.stall_watch import STALL_WAIT_S, StallWatch
 from engine.model.fault import ENV_VAR as FAULT_ENV_VAR, ForwardFault
 from engine.workload.request import RequestSpec
@@ -74,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--run-dir {run_dir}: exists and is not a directory (or sits under a file)") from None
     except OSError as exc:
         raise ValueError(f"--run-dir {run_dir}: cannot create it: {exc.strerror or exc}") from None
+    lock = lock_run_dir(run_dir)   # a second engine on this directory stops here, before touching its files
     _setup_logging(run_dir)
     db_path = run_dir / "telemetry.db"
     base_levers = from_env(os.environ)
@@ -130,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
             writer.close(status)
         status_file.maybe_write(_status_fields(sched, writer, telemetry_error, status, stall), force=True)
         log.info("run %s after %d ticks", status, sched.tick)
+        if lock is not None:
+            lock.close()
     return 0
 
 

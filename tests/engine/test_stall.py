@@ -65,3 +65,4 @@ def test_a_cap_below_the_heads_need_blocks_without_spinning_and_the_heartbeat_na
         assert stderr.count("no progress possible") == 1
     finally:
         kill_quietly(proc)
+
