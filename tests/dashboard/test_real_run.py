@@ -121,7 +121,7 @@ def test_real_levers_applied_state_and_write(real_app, real_run_dir):
     tick = rr.one("SELECT tick FROM lever_changes WHERE name = 'bisect_no_mix' AND status = 'applied'")
     try:
         at = real_app("levers")
-        assert {lever.name for lever in LEVERS} <= {w.label for w in list(at.toggle) + list(at.number_input)
+        assert {lever.name for lever in LEVERS} <= {w.label for w in list(at.toggle) + list(at.text_input)
                                                     + list(at.selectbox)}
         assert f"**in sync** · pending `True` · applied `True` since tick {tick} (file)" in texts(at)
         assert "applied `True` since tick 0 (env)" in texts(at)           # ssm_tail_ckpt from the environment

@@ -1,12 +1,14 @@
 """What a user can type or leave behind never reaches a traceback: search boxes, a stale run label."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from conftest import APP
 from dashboard.paths import ENV_RUN_DIR
 from dashboard.queries_requests import MAX_REQUEST_ID, BadSearch, parse_request_id, parse_search
 
+APP = str(Path(__file__).resolve().parents[2] / "dashboard" / "app.py")
 BAD_SEARCHES = ["99999999999999999999999", "1-99999999999999999999999", "²", "1-²", "3, ²", str(2**63)]
 
 
@@ -51,3 +53,23 @@ def test_a_stale_run_choice_falls_back_to_the_latest_run(run_fixture, monkeypatc
     assert not at.exception, [e.value for e in at.exception]
     assert "run 2: crashed" in [c.value for c in at.sidebar.caption]
     assert at.sidebar.selectbox[0].value == "latest"
+
+
+@pytest.mark.parametrize("typed, words", [("99999999", "outside"), ("0", "outside"), ("-5", "outside"),
+                                           ("12.7", "not an integer"), ("²", "not an integer")])
+def test_an_out_of_range_lever_value_gets_a_message_and_is_not_written(app, run_fixture, typed, words):
+    levers_file = run_fixture.run_dir / "levers.json"
+    levers_file.unlink(missing_ok=True)
+    at = app("levers")
+    next(t for t in at.text_input if t.label == "max_prefill_tokens").input(typed).run()
+    assert not at.exception
+    assert any("max_prefill_tokens: not written" in e.value and words in e.value for e in at.error), \
+        [e.value for e in at.error]
+    assert not levers_file.exists()
+
+
+def test_levers_table_shows_ticks_as_integers_and_no_none(app):
+    at = app("levers")
+    table = at.dataframe[0].value
+    assert str(table["applied at tick"].dtype) == "Int64"
+    assert not table.astype(str).isin(["None", "nan"]).any().any()
