@@ -23,6 +23,9 @@ PAGES = [
 ]
 
 
+STATUS_REFRESH_S = 2.0
+
+
 def run_picker() -> None:
     paths = context.paths()
     st.sidebar.caption(f"run dir `{paths.run_dir}`")
@@ -39,8 +42,20 @@ def run_picker() -> None:
     if st.session_state.get(context.RUN_KEY, context.LATEST) not in labels:
         st.session_state[context.RUN_KEY] = context.LATEST
     st.sidebar.selectbox("run", list(labels), format_func=labels.get, key=context.RUN_KEY)
-    shown = runs[runs["run_id"] == context.chosen_run_id(str(paths.db))].iloc[0]
-    st.sidebar.caption(f"run {int(shown['run_id'])}: {shown['status']}")
+    with st.sidebar:
+        chosen_run_status(str(paths.db))
+
+
+@st.fragment(run_every=STATUS_REFRESH_S)
+def chosen_run_status(db: str) -> None:
+    """The chosen run's status, kept current (running -> finished shows up without a reload)."""
+    try:
+        runs = data.list_runs(db)
+        run_id = context.chosen_run_id(db)
+    except DataUnavailable:
+        return
+    if run_id is not None:
+        st.caption(f"run {run_id}: {runs.loc[runs['run_id'] == run_id, 'status'].iloc[0]}")
 
 
 run_picker()

@@ -239,15 +239,24 @@ def _setup_logging(run_dir: Path) -> None:
     logging.raiseExceptions = False
     if not root.handlers:
         handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
-        try:
-            handlers.append(logging.FileHandler(run_dir / "engine.log"))
-        except OSError as exc:  # an unwritable run dir: serve anyway, stderr is the only log
-            file_error = f"cannot write {run_dir / 'engine.log'}: {exc.strerror or exc}; logging to stderr only"
-        else:
-            file_error = None
+        file_error = None
+        if not _is_same_file(sys.stderr, run_dir / "engine.log"):  # the dashboard sends stderr there already
+            try:
+                handlers.append(logging.FileHandler(run_dir / "engine.log"))
+            except OSError as exc:  # an unwritable run dir: serve anyway, stderr is the only log
+                file_error = f"cannot write {run_dir / 'engine.log'}: {exc.strerror or exc}; logging to stderr only"
         for handler in handlers:
             handler.setFormatter(fmt)
             root.addHandler(handler)
         if file_error:
             log.error(file_error)
     torch.set_grad_enabled(False)
+
+
+def _is_same_file(stream, path: Path) -> bool:
+    """True when ``stream`` already writes ``path`` (a second handler would log every line twice)."""
+    try:
+        mine, theirs = os.fstat(stream.fileno()), os.stat(path)
+    except (OSError, ValueError, AttributeError):
+        return False
+    return (mine.st_dev, mine.st_ino) == (theirs.st_dev, theirs.st_ino)

@@ -13,8 +13,7 @@ REFRESH_S = 1.0
 WINDOWS_S = (2, 5, 10, 30, 60, 300)
 
 st.title("Live")
-ctx0 = context.current(quiet=True)
-engine_panel.render(context.paths(), ctx0)
+engine_panel.render_live(context.paths())
 window_s = st.select_slider("timeline window (s)", WINDOWS_S, value=10, key="live_window_s")
 
 
