@@ -136,7 +136,7 @@ def test_real_levers_applied_state_and_write(real_app, real_run_dir):
 def test_real_runs_compare_metrics(real_app, real_run_dir):
     rr = real_run_dir
     at = real_app("runs")
-    assert "**1 runs**" in texts(at)
+    assert "**1 run**" in texts(at)
     listing = frame_by_key(at, "runs_table")
     assert list(listing["status"]) == ["finished"]
     compare = at.dataframe[1].value

@@ -73,3 +73,30 @@ def test_levers_table_shows_ticks_as_integers_and_no_none(app):
     table = at.dataframe[0].value
     assert str(table["applied at tick"].dtype) == "Int64"
     assert not table.astype(str).isin(["None", "nan"]).any().any()
+
+
+def test_runs_page_shows_the_levers_in_effect_at_the_first_tick(app, run_fixture, tmp_path):
+    """A levers file applied at tick 0 is part of the run's start: the compare shows it, not the defaults."""
+    import sqlite3
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    db = run_dir / "telemetry.db"
+    db.write_bytes(run_fixture.db.read_bytes())
+    conn = sqlite3.connect(db)
+    start = {r[0]: r[1] for r in conn.execute("SELECT run_id, levers FROM runs")}
+    conn.execute("INSERT INTO lever_changes (run_id, tick, t_ns, name, old, new, source, status, file_version) "
+                 "VALUES (2, 0, 0, 'slice_budget', '0', '48', 'file', 'applied', 1)")
+    conn.commit()
+    conn.close()
+    at = app("runs", run_dir=run_dir, run_id=None)
+    assert not at.exception
+    table = next(d.value for d in at.dataframe if "differs" in d.value.columns)
+    run2, run1 = [c for c in table.columns if c.startswith("run ")][:2]
+    assert table.loc["slice_budget", run2] == "48"
+    assert table.loc["slice_budget", "differs"] == (start[1] is None or '"slice_budget": 48' not in start[1])
+    assert "changed later in run 1" in table.columns
+    assert table.loc["bisect_no_mix", "changed later in run 1"] == "tick 80: True; tick 160: False"
+    assert "2 runs" in [m.value for m in at.markdown][0]
+    listing = at.dataframe[0].value
+    assert "started_at" not in listing.columns and str(listing["started"].dtype).startswith("datetime64")
