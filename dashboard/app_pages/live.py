@@ -10,6 +10,7 @@ from telemetry.engine_status import read_engine_status
 from telemetry.procs import is_engine_pid
 
 REFRESH_S = 1.0
+BLOCKED_REFRESH_S = 0.5
 WINDOWS_S = (2, 5, 10, 30, 60, 300)
 
 st.title("Live")
@@ -45,8 +46,8 @@ def render(ctx: RunContext) -> None:
     end_ns = int(c["t_ns"] + c["duration_ns"]) if c is not None else None
     age = context.seconds_since_last_row(ctx, end_ns)
     now = engine_now(ctx, age) if ctx.is_running else None
-    if now is not None:
-        (st.error if now.is_blocked else st.info)(heartbeat_view.describe(now), icon=":material/pause_circle:")
+    if now is not None and not now.is_blocked:   # a stall is named by blocked_line, refreshed faster
+        st.info(heartbeat_view.describe(now), icon=":material/pause_circle:")
     if c is None:
         st.info(f"Run {ctx.run_id} has no ticks yet.")
         return
@@ -69,9 +70,23 @@ def render(ctx: RunContext) -> None:
     prefix_panel.render(ctx)
 
 
+@st.fragment(run_every=BLOCKED_REFRESH_S)
+def blocked_line() -> None:
+    """The stall, named from the heartbeat: a light fragment of its own, so the heavy live area's
+    render time does not delay it."""
+    status = read_engine_status(context.paths().run_dir)
+    if not (status or {}).get("is_blocked"):
+        return                         # the usual case costs one small file read
+    ctx = context.current(quiet=True)
+    now = engine_now(ctx, None) if ctx is not None and ctx.is_running else None
+    if now is not None and now.is_blocked:
+        st.error(heartbeat_view.describe(now), icon=":material/pause_circle:")
+
+
 @st.fragment(run_every=REFRESH_S)
 def live_area() -> None:
     context.run_page(render)
 
 
+blocked_line()
 live_area()
