@@ -6,6 +6,7 @@ import streamlit as st
 from dashboard import charts, context, data, engine_panel, heartbeat_view, live_timeline, prefix_panel
 from dashboard.context import RunContext
 from dashboard.db import DataUnavailable
+from dashboard.queries_live import MAX_STREAM_EVENTS
 from telemetry.engine_status import read_engine_status
 from telemetry.procs import is_engine_pid
 
@@ -55,12 +56,14 @@ def render(ctx: RunContext) -> None:
     if now is None and ctx.is_running and age is not None and age > context.STALE_AFTER_S:
         st.warning(f"Run {ctx.run_id} is marked running but no tick has arrived for {age:.0f} s.")
     win = data.timeline_window(ctx.db, ctx.run_id, ctx.version, float(window_s))
+    cap = MAX_STREAM_EVENTS if win.stream_events_capped else None
     fig = charts.timeline_figure(win.forwards, win.stream_events, win.links, win.preemptions,
-                                 win.lever_changes, (win.start_ms, win.end_ms))
+                                 win.lever_changes, (win.start_ms, win.end_ms), stream_events_cap=cap)
     live_timeline.render(fig, key="live_timeline", revision=end_ns)   # stays mounted: no blank frame, zoom kept
     mode = "bucketed into WebGL segments" if win.is_bucketed else "one bar per forward"
     st.caption(f"last {window_s} s of run {ctx.run_id} ({ctx.run.get('status')}): {win.num_forwards} forwards, "
-               f"{mode}; {len(win.stream_events)} stream events, {len(win.preemptions)} preemptions, "
+               f"{mode}; {len(win.stream_events)} stream events{' (capped: newest only)' if cap else ''}, "
+               f"{len(win.preemptions)} preemptions, "
                f"{len(win.lever_changes)} lever changes")
     latency = data.latency_percentiles(ctx.db, ctx.run_id, ctx.version)
     left, right = st.columns([2, 3])
