@@ -152,7 +152,10 @@ def latency_percentiles(db: Path, run_id: int, is_recent: bool = True) -> pd.Dat
                                    run_id) - ITL_RECENT_TOKENS)
         # "+run_id" keeps SQLite on the primary-key range instead of the run's whole index.
         itl_filter, itl_params = "AND id > ?", [min_token]
-        scope = f"newest {RECENT_REQUESTS} requests / {ITL_RECENT_TOKENS} tokens"
+        # Say the scope that applies: a young run has fewer requests than the cap.
+        num_requests = min(RECENT_REQUESTS, max_request + 1)
+        scope = (f"newest {RECENT_REQUESTS:,} requests / {ITL_RECENT_TOKENS:,} tokens"
+                 if num_requests == RECENT_REQUESTS else f"all {num_requests:,} requests so far")
     else:
         step = max(1, -(-(max_request + 1) // WHOLE_RUN_REQUESTS))
         request_filter, request_params = f"AND request_id IN ({SAMPLED_IDS})", [step, step, max_request]
