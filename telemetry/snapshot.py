@@ -9,6 +9,7 @@ the freed pages so the bundle stays small.
 """
 from __future__ import annotations
 
+import math
 import os
 import sqlite3
 from dataclasses import dataclass
@@ -23,6 +24,9 @@ EVENT_TABLES = tuple(cls.TABLE for cls in ev.EVENT_TYPES if cls.TABLE != schema.
 
 class SnapshotError(RuntimeError):
     """The source store cannot be snapshotted (missing, not SQLite, no such run)."""
+
+
+MAX_WINDOW_S = 9.2e9          # SQLite's largest integer, in ns, is about 292 years
 
 
 @dataclass(frozen=True)
@@ -47,8 +51,14 @@ class TimeWindow:
 
     @classmethod
     def from_seconds(cls, since_s: float | None, until_s: float | None) -> "TimeWindow":
-        to_ns = lambda s: None if s is None else int(round(s * 1e9))  # noqa: E731
-        return cls(to_ns(since_s), to_ns(until_s))
+        def to_ns(name: str, seconds: float | None) -> int | None:
+            if seconds is None:
+                return None
+            if not math.isfinite(seconds) or abs(seconds) > MAX_WINDOW_S:
+                raise ValueError(f"time window {name} {seconds:g} s is not a time within a run "
+                                 f"(at most {MAX_WINDOW_S:g} s)")
+            return int(round(seconds * 1e9))
+        return cls(to_ns("since", since_s), to_ns("until", until_s))
 
 
 def read_only_uri(path: Path) -> str:

@@ -68,6 +68,8 @@ def cases(d: dict[str, str]) -> list[list[str]]:
         ["telemetry", "export", "--db", d["good"], "-o", d["out"], "--since-s", "5", "--until-s", "1"],
         ["telemetry", "export", "--db", d["good"], "-o", d["out"], "--since-s", "100000"],
         ["telemetry", "export", "--db", d["good"], "-o", d["out"], "--since-s", "nan"],
+        ["telemetry", "export", "--db", d["good"], "-o", d["out"], "--since-s", "1e300"],
+        ["telemetry", "export", "--db", d["good"], "-o", d["out"], "--until-s", "1e19"],
         ["telemetry", "export", "--db", d["good"], "-o", d["out"], "--run", BIG],
         ["telemetry", "export", "--db", d["dir"], "-o", d["out"]],
         ["telemetry", "levers"], ["telemetry", "levers", "get", "--file", d["dir"]],

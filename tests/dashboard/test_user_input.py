@@ -100,3 +100,11 @@ def test_runs_page_shows_the_levers_in_effect_at_the_first_tick(app, run_fixture
     assert "2 runs" in [m.value for m in at.markdown][0]
     listing = at.dataframe[0].value
     assert "started_at" not in listing.columns and str(listing["started"].dtype).startswith("datetime64")
+
+
+def test_a_huge_bundle_window_is_a_message_not_a_traceback(real_app):
+    at = real_app("runs")
+    at.number_input(key="bundle_since_s").set_value(1e300).run()
+    at.button(key="bundle_build").click().run(timeout=60)
+    assert not at.exception, [e.value for e in at.exception]
+    assert any(e.value.startswith("Bundle not built: time window since 1e+300 s") for e in at.error)
