@@ -103,3 +103,9 @@ def test_an_engine_started_from_the_dashboard_logs_each_line_once(tmp_path):
 
 def _log(paths: RunPaths) -> str:
     return paths.engine_log.read_text(errors="replace") if paths.engine_log.exists() else ""
+
+
+@pytest.mark.parametrize("typed", ["x" * 5000, "a/" * 3000])
+def test_an_impossible_model_path_is_a_message(tmp_path, typed):
+    with pytest.raises(ec.EngineControlError, match="model: "):
+        ec.engine_argv(RunPaths(tmp_path), typed, "synthetic", 1)
