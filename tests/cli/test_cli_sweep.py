@@ -84,6 +84,11 @@ def cases(d: dict[str, str]) -> list[list[str]]:
         ["telemetry", "levers", "validate", "--file", d["dir"]],
         ["telemetry", "levers", "validate", "--file", d["garbage"]],
         ["telemetry", "levers", "validate"],
+        ["engine", "serve", "--run-dir", d["long"]], ["engine", "generate", "--prompt-ids", "1", "--model", d["long"]],
+        ["engine", "replay", d["long"]], ["engine", "replay", d["long"] + ".zip"],
+        ["telemetry", "runs", "--db", d["long"]], ["telemetry", "export", "--db", d["good"], "-o", d["long"] + ".zip"],
+        ["telemetry", "levers", "get", "--file", d["long"]],
+        ["telemetry", "levers", "set", "bisect_no_mix", "true", "--file", d["long"]],
     ]
     return lines
 
@@ -99,7 +104,8 @@ def sweep(tmp_path_factory):
     (tmp / "adir").mkdir()
     paths = {"good": str(good), "garbage": str(tmp / "garbage.db"), "garbage_zip": str(tmp / "garbage.zip"),
              "file": str(tmp / "file.txt"), "dir": str(tmp / "adir"), "missing": str(tmp / "missing.db"),
-             "run": str(tmp / "run"), "out": str(tmp / "out.zip"), "levers": str(tmp / "levers.json")}
+             "run": str(tmp / "run"), "out": str(tmp / "out.zip"), "levers": str(tmp / "levers.json"),
+             "long": str(tmp / ("x" * 5000))}
     lines = cases(paths)
     for index, argv in enumerate(lines):   # each serve its own run dir: two engines on one dir refuse
         if paths["run"] in argv:
