@@ -11,7 +11,10 @@ import argparse
 from typing import Any
 
 from engine.cache.kv_quant import KV_CACHE_DTYPES, InnerQConfig, config_for
+from telemetry.cli_args import bounded_float, bounded_int
 
+MAX_KV_CACHE_MB = float(1 << 22)   # 4 TiB: beyond it the cache cannot be allocated anyway
+MAX_TOKENS = 1 << 30
 OPTION_KEYS = ("kv_cache_dtype", "kv_cache_mb", "kv_sink_tokens", "kv_recent_tokens", "kv_calib_tokens",
                "kv_group_size")
 
@@ -23,15 +26,15 @@ def add_kv_cache_args(parser: argparse.ArgumentParser, *, from_run: bool = False
                         help="KV cache format: auto (the model dtype), innerq8 or innerq4 (InnerQ group-wise "
                              "quantization with full-precision sink and recent windows)"
                              + (" (default: the run's)" if from_run else ""))
-    parser.add_argument("--kv-cache-mb", type=float, default=None,
+    parser.add_argument("--kv-cache-mb", type=bounded_float(0.0, MAX_KV_CACHE_MB, low_open=True), default=None,
                         help="KV cache budget in MiB (overrides --kv-blocks: a quantized cache holds more tokens)")
-    parser.add_argument("--kv-sink-tokens", type=int, default=None,
+    parser.add_argument("--kv-sink-tokens", type=bounded_int(0, MAX_TOKENS), default=None,
                         help=f"InnerQ: leading tokens kept full precision (default {base.sink_tokens})")
-    parser.add_argument("--kv-recent-tokens", type=int, default=None,
+    parser.add_argument("--kv-recent-tokens", type=bounded_int(1, MAX_TOKENS), default=None,
                         help=f"InnerQ: most recent tokens kept full precision (default {base.recent_tokens})")
-    parser.add_argument("--kv-calib-tokens", type=int, default=None,
+    parser.add_argument("--kv-calib-tokens", type=bounded_int(1, MAX_TOKENS), default=None,
                         help=f"InnerQ: prefill tokens calibrating the key scales (default {base.calib_tokens})")
-    parser.add_argument("--kv-group-size", type=int, default=None,
+    parser.add_argument("--kv-group-size", type=bounded_int(2, 1 << 16), default=None,
                         help=f"InnerQ: channels per quantization group (default {base.group_size})")
 
 

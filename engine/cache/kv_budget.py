@@ -30,7 +30,7 @@ class ByteBudgetBlockManager(BlockManager):
             raise ValueError(f"need 0 < quantized block bytes <= full-precision block bytes, got "
                              f"{quant_block_bytes} and {fp_block_bytes}")
         if budget_bytes < fp_block_bytes:
-            raise ValueError(f"KV budget of {budget_bytes} bytes holds no full-precision block "
+            raise ValueError(f"--kv-cache-mb: a KV budget of {budget_bytes} bytes holds no full-precision block "
                              f"({fp_block_bytes} bytes)")
         super().__init__(budget_bytes // quant_block_bytes, block_size)
         self.budget_bytes = budget_bytes

@@ -49,7 +49,7 @@ class InnerQConfig:
         if self.bits not in (4, 8):
             raise ValueError(f"InnerQ bits must be 4 or 8, got {self.bits}")
         if self.group_size < 2 or self.group_size % 2:
-            raise ValueError(f"InnerQ group size must be an even number >= 2, got {self.group_size}")
+            raise ValueError(f"--kv-group-size must be an even number >= 2, got {self.group_size}")
         if self.sink_tokens < 0:
             raise ValueError(f"--kv-sink-tokens must be >= 0, got {self.sink_tokens}")
         if self.recent_tokens < 1:
@@ -66,7 +66,7 @@ class InnerQConfig:
         """The group size clipped to the head dim (which it must divide)."""
         group = min(self.group_size, head_dim)
         if head_dim % group:
-            raise ValueError(f"InnerQ group size {group} does not divide head_dim {head_dim}")
+            raise ValueError(f"--kv-group-size {group} does not divide the model's head_dim {head_dim}")
         return replace(self, group_size=group)
 
     def describe(self) -> dict:

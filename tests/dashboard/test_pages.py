@@ -17,6 +17,7 @@ def test_live_counters_timeline_and_latency(app, run_fixture):
     metrics = {m.label: m.value for m in at.metric}
     assert metrics["waiting"] == str(last.num_waiting)
     assert metrics["active (decoding)"] == str(last.num_active)
+    assert metrics["KV blocks"] == f"{last.kv_blocks_used} / {last.kv_blocks_total}"
     # the synthetic run writes ticks as a store from before the KV token / byte columns: '-'
     assert last.kv_tokens_used is None and metrics["KV tokens"] == "-" and metrics["KV MiB"] == "-"
     assert metrics["SSM slots"] == f"{last.ssm_slots_used} / {last.ssm_slots_total}"
@@ -98,7 +99,7 @@ def test_levers_widgets_write_file_and_show_state(app, run_fixture, tmp_path):
 
     at = app("levers")
     from telemetry.levers import LEVERS
-    labels = {w.label for w in list(at.toggle) + list(at.number_input) + list(at.selectbox)}
+    labels = {w.label for w in list(at.toggle) + list(at.text_input) + list(at.selectbox)}
     assert {lever.name for lever in LEVERS} <= labels
     assert all(w.help for w in at.toggle)
     assert "rejected: max_prefill_tokens must be >= 1" in texts(at)
@@ -113,7 +114,7 @@ def test_levers_widgets_write_file_and_show_state(app, run_fixture, tmp_path):
         # a rebuilt widget reads the file, not the session
         at2 = app("levers")
         assert next(t for t in at2.toggle if t.label == "bisect_no_mix").value is True
-        next(n for n in at2.number_input if n.label == "slice_budget").set_value(32).run()
+        next(n for n in at2.text_input if n.label == "slice_budget").input("32").run()
         written = json.loads(levers_file.read_text())
         assert written == {"version": 4, "levers": {"bisect_no_mix": True, "slice_budget": 32}}
         levers_file.write_text("{not json")

@@ -59,7 +59,7 @@ def test_quantized_block_bytes_and_config_checks():
         config_for("int3")
     with pytest.raises(ValueError, match="recent"):
         config_for("innerq4", recent_tokens=0)
-    with pytest.raises(ValueError, match="divide"):
+    with pytest.raises(ValueError, match="kv-group-size 24 does not divide"):
         InnerQConfig(bits=4, group_size=24).for_head_dim(64)
     assert InnerQConfig(bits=4, group_size=64).for_head_dim(32).group_size == 32
 
