@@ -157,7 +157,7 @@ def drive(sched, recorded: RecordedRun, flips: dict[str, Any], *,
 
     def submit(record: ev.RequestRecord) -> None:
         submitted.append(sched.submit(record.request_id, list(record.prompt_tokens), dict(record.sampling),
-                                      conversation_id=record.conversation_id))
+                                      conversation_id=record.conversation_id, features=record.features or None))
 
     def arrivals_and_levers() -> None:
         while pending and pending[0].arrival_tick <= sched.tick:

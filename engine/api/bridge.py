@@ -1,0 +1,161 @@
+"""The only path between the HTTP thread and the tick loop.
+
+HTTP handlers put submissions and cancellations into a thread-safe inbox; the serve loop
+drains it at tick boundaries (``drain``) and, after each tick, hands every API request's new
+tokens and its end state to that request's outbox (``publish``), an asyncio queue the
+handler awaits. No handler touches the scheduler or a cache; the counts the API needs
+(queue length for 429) come from a snapshot the loop publishes.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.request_features import RequestFeatures
+from telemetry import events as ev
+
+log = logging.getLogger("chunkscope.api")
+CANCEL_REASON = "client disconnected"
+
+
+class QueueFull(Exception):
+    """More requests wait than ``--max-waiting`` allows."""
+
+
+@dataclass
+class Outbox:
+    """Where the loop sends one request's progress; lives on the server's event loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    def put(self, item: Any) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """New output tokens (and their logprobs when asked for)."""
+
+    token_ids: list[int]
+    logprobs: list[tuple[float, list[tuple[int, float]]]]
+
+
+@dataclass(frozen=True)
+class Ended:
+    status: str                  # finished / error / cancelled / rejected / preempted
+    finish_reason: str | None    # eos / stop / length / error / cancelled
+    error: str | None
+    prompt_len: int
+    output_len: int
+    first_token_rules: str | None
+
+
+@dataclass
+class _Submit:
+    request_id: int
+    prompt_tokens: list[int]
+    sampling: dict
+    features: RequestFeatures
+    outbox: Outbox
+
+
+@dataclass
+class _Tracked:
+    request: Any                 # the scheduler's Request
+    outbox: Outbox
+    num_sent: int = 0
+
+
+class EngineBridge:
+    def __init__(self, *, first_request_id: int, max_waiting: int) -> None:
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._next_id = first_request_id
+        self._num_queued = 0           # submitted, not yet drained into the scheduler
+        self.max_waiting = max_waiting
+        self.num_waiting = 0           # the scheduler's waiting queue, as of the last tick
+        self._tracked: dict[int, _Tracked] = {}   # engine thread only
+        self._wake = threading.Event()
+
+    # ---- HTTP thread --------------------------------------------------------------------
+    def submit(self, prompt_tokens: list[int], sampling: dict, features: RequestFeatures,
+               outbox: Outbox) -> int:
+        """Queue a request for the next tick boundary; returns its request id."""
+        with self._lock:
+            if self.num_waiting + self._num_queued >= self.max_waiting:
+                raise QueueFull(f"{self.num_waiting + self._num_queued} requests are waiting "
+                                f"(--max-waiting {self.max_waiting})")
+            request_id, self._next_id = self._next_id, self._next_id + 1
+            self._num_queued += 1
+        self._inbox.put(_Submit(request_id, prompt_tokens, sampling, features, outbox))
+        self._wake.set()
+        return request_id
+
+    def cancel(self, request_id: int) -> None:
+        self._inbox.put(("cancel", request_id))
+        self._wake.set()
+
+    # ---- engine thread ------------------------------------------------------------------
+    def wait(self, timeout_s: float) -> None:
+        """Idle until a submission or cancellation arrives (or the timeout)."""
+        self._wake.wait(timeout_s)
+        self._wake.clear()
+
+    def drain(self, sched) -> None:
+        """Hand queued submissions and cancellations to the scheduler (a tick boundary)."""
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, _Submit):
+                with self._lock:
+                    self._num_queued -= 1
+                request = sched.submit(item.request_id, item.prompt_tokens, item.sampling, features=item.features)
+                self._tracked[item.request_id] = _Tracked(request, item.outbox)
+            else:
+                request = sched.cancel(item[1], CANCEL_REASON)
+                if request is not None:
+                    log.info("request %d cancelled at tick %d: %s after %d tokens", request.request_id,
+                             sched.tick, CANCEL_REASON, request.num_generated)
+        self.num_waiting = len(sched.waiting)
+
+    def publish(self, sched) -> None:
+        """Send each API request's new tokens, and its end, to its outbox."""
+        self.num_waiting = len(sched.waiting)
+        ended = []
+        for request_id, tracked in self._tracked.items():
+            request = tracked.request
+            num = len(request.output_tokens)
+            if num > tracked.num_sent:
+                tracked.outbox.put(Tokens(request.output_tokens[tracked.num_sent:num],
+                                          request.logprobs[tracked.num_sent:num]))
+                tracked.num_sent = num
+            if request.finished_ns is not None:
+                tracked.outbox.put(Ended(request.status, request.finish_reason, request.error, request.prompt_len,
+                                         num, request.first_token_rules))
+                ended.append(request_id)
+        for request_id in ended:
+            del self._tracked[request_id]
+
+    def close(self, sched) -> None:
+        """Shutdown (after ``sched.stop()``): whatever is still queued or tracked learns it ended."""
+        with self._lock:
+            self.max_waiting = 0       # no new submissions from now on
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, _Submit):
+                item.outbox.put(Ended(ev.REQ_CANCELLED, "cancelled", "engine stopped", len(item.prompt_tokens), 0, None))
+        self.publish(sched)
+        for tracked in self._tracked.values():
+            tracked.outbox.put(Ended(ev.REQ_CANCELLED, "cancelled", "engine stopped", tracked.request.prompt_len,
+                                     tracked.num_sent, None))
+        self._tracked.clear()

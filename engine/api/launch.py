@@ -1,0 +1,70 @@
+"""Start the API beside the serve loop: engine facts for the handlers, the bridge, metrics, uvicorn."""
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass
+
+from engine.api.bridge import EngineBridge
+from engine.api.chat_template import ChatTemplate
+from engine.api.metrics import EngineMetrics
+from engine.api.parse import EngineInfo
+from engine.api.server import APIServer, build_app
+
+log = logging.getLogger("chunkscope.api")
+API_FIRST_ID_WITH_WORKLOAD = 1_000_000   # API request ids stay clear of the workload's 0, 1, 2, ...
+DEFAULT_MAX_WAITING = 256
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api-port", type=int, default=None,
+                   help="serve the OpenAI-compatible API on this port (0: any free port; default: no API)")
+    p.add_argument("--api-host", default="127.0.0.1", help="address the API binds (default 127.0.0.1: this machine only)")
+    p.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
+                   help="API requests beyond this many waiting get 429 with Retry-After")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API (default: none)")
+
+
+@dataclass
+class API:
+    bridge: EngineBridge
+    metrics: EngineMetrics
+    server: APIServer
+    info: EngineInfo
+
+    def before_tick(self, sched) -> None:
+        """A tick boundary: new requests and cancellations reach the scheduler."""
+        self.bridge.drain(sched)
+
+    def after_tick(self, sched) -> None:
+        """Tokens and ends go out; the gauges show the pools now (also right after a cancel)."""
+        self.bridge.publish(sched)
+        bm, pool = sched.runner.block_manager, sched.runner.ssm_pool
+        self.metrics.set_state(num_running=len(sched.active) + int(sched.prefilling is not None),
+                               num_waiting=len(sched.waiting), kv_blocks_used=bm.num_used,
+                               kv_blocks_total=bm.num_usable, ssm_slots_used=pool.num_used)
+
+
+def start_api(args: argparse.Namespace, setup, dropped) -> API | None:
+    """The running API, or None when ``--api-port`` was not given."""
+    if args.api_port is None:
+        return None
+    if args.max_waiting < 1:
+        raise ValueError(f"--max-waiting must be >= 1, got {args.max_waiting}")
+    if setup.tokenizer is None:
+        raise ValueError(f"--api-port: the checkpoint {setup.checkpoint_dir} has no tokenizer.json to read text with")
+    model, bm = setup.model, setup.runner.block_manager
+    template = ChatTemplate.for_checkpoint(setup.checkpoint_dir)
+    info = EngineInfo(model_name=setup.model_name, vocab_size=setup.runner.vocab_size,
+                      max_context=setup.scheduler.max_context, num_kv_blocks=bm.num_blocks,
+                      block_size=bm.block_size, tokenizer=setup.tokenizer, chat_template=template,
+                      has_tool_call_token=model.tool_call_start_id is not None,
+                      eos_ids=frozenset(setup.scheduler.eos_ids))
+    first_id = 0 if args.workload == "none" else API_FIRST_ID_WITH_WORKLOAD
+    bridge = EngineBridge(first_request_id=first_id, max_waiting=args.max_waiting)
+    metrics = EngineMetrics(setup.model_name, dropped)
+    server = APIServer(build_app(info, bridge, metrics, args.api_key), args.api_host, args.api_port)
+    server.start()
+    log.info("API listening on %s (chat template: %s)", server.url, template.origin)
+    print(f"[engine] OpenAI-compatible API on {server.url}/v1", flush=True)
+    return API(bridge, metrics, server, info)
