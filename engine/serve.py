@@ -96,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
             if api is not None:
                 api.before_tick(sched)
             for spec in feed.due(elapsed):
+                if api is not None:
+                    spec.request_id = api.new_request_id()
                 _submit(sched, spec)
             _poll_levers(sched, watcher)
             _report_writer_health(sched, writer)

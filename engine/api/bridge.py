@@ -57,7 +57,7 @@ class Ended:
 
 @dataclass
 class _Submit:
-    request_id: int
+    handle: int
     prompt_tokens: list[int]
     sampling: dict
     features: RequestFeatures
@@ -68,36 +68,42 @@ class _Submit:
 class _Tracked:
     request: Any                 # the scheduler's Request
     outbox: Outbox
+    handle: int
     num_sent: int = 0
 
 
 class EngineBridge:
-    def __init__(self, *, first_request_id: int, max_waiting: int) -> None:
+    """``submit`` returns a handle; the loop gives the request its id when it drains it, from the
+    same counter as workload arrivals (``drain(sched, new_request_id)``), so ids follow arrival
+    order across both sources."""
+
+    def __init__(self, *, max_waiting: int) -> None:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._next_id = first_request_id
+        self._next_handle = 0
         self._num_queued = 0           # submitted, not yet drained into the scheduler
         self.max_waiting = max_waiting
         self.num_waiting = 0           # the scheduler's waiting queue, as of the last tick
-        self._tracked: dict[int, _Tracked] = {}   # engine thread only
+        self._tracked: dict[int, _Tracked] = {}   # engine thread only, by request id
+        self._request_id_of: dict[int, int] = {}  # engine thread only: handle -> request id
         self._wake = threading.Event()
 
     # ---- HTTP thread --------------------------------------------------------------------
     def submit(self, prompt_tokens: list[int], sampling: dict, features: RequestFeatures,
                outbox: Outbox) -> int:
-        """Queue a request for the next tick boundary; returns its request id."""
+        """Queue a request for the next tick boundary; returns its handle (for ``cancel``)."""
         with self._lock:
             if self.num_waiting + self._num_queued >= self.max_waiting:
                 raise QueueFull(f"{self.num_waiting + self._num_queued} requests are waiting "
                                 f"(--max-waiting {self.max_waiting})")
-            request_id, self._next_id = self._next_id, self._next_id + 1
+            handle, self._next_handle = self._next_handle, self._next_handle + 1
             self._num_queued += 1
-        self._inbox.put(_Submit(request_id, prompt_tokens, sampling, features, outbox))
+        self._inbox.put(_Submit(handle, prompt_tokens, sampling, features, outbox))
         self._wake.set()
-        return request_id
+        return handle
 
-    def cancel(self, request_id: int) -> None:
-        self._inbox.put(("cancel", request_id))
+    def cancel(self, handle: int) -> None:
+        self._inbox.put(("cancel", handle))
         self._wake.set()
 
     # ---- engine thread ------------------------------------------------------------------
@@ -106,7 +112,7 @@ class EngineBridge:
         self._wake.wait(timeout_s)
         self._wake.clear()
 
-    def drain(self, sched) -> None:
+    def drain(self, sched, new_request_id) -> None:
         """Hand queued submissions and cancellations to the scheduler (a tick boundary)."""
         while True:
             try:
@@ -116,10 +122,13 @@ class EngineBridge:
             if isinstance(item, _Submit):
                 with self._lock:
                     self._num_queued -= 1
-                request = sched.submit(item.request_id, item.prompt_tokens, item.sampling, features=item.features)
-                self._tracked[item.request_id] = _Tracked(request, item.outbox)
+                request_id = new_request_id()
+                self._request_id_of[item.handle] = request_id
+                request = sched.submit(request_id, item.prompt_tokens, item.sampling, features=item.features)
+                self._tracked[request_id] = _Tracked(request, item.outbox, item.handle)
             else:
-                request = sched.cancel(item[1], CANCEL_REASON)
+                request_id = self._request_id_of.get(item[1])
+                request = sched.cancel(request_id, CANCEL_REASON) if request_id is not None else None
                 if request is not None:
                     log.info("request %d cancelled at tick %d: %s after %d tokens", request.request_id,
                              sched.tick, CANCEL_REASON, request.num_generated)
@@ -141,7 +150,7 @@ class EngineBridge:
                                          num, request.first_token_rules))
                 ended.append(request_id)
         for request_id in ended:
-            del self._tracked[request_id]
+            self._request_id_of.pop(self._tracked.pop(request_id).handle, None)
 
     def close(self, sched) -> None:
         """Shutdown (after ``sched.stop()``): whatever is still queued or tracked learns it ended."""

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.api.bridge import EngineBridge
 from engine.api.chat_template import ChatTemplate
@@ -12,7 +13,6 @@ from engine.api.parse import EngineInfo
 from engine.api.server import APIServer, build_app
 
 log = logging.getLogger("chunkscope.api")
-API_FIRST_ID_WITH_WORKLOAD = 1_000_000   # API request ids stay clear of the workload's 0, 1, 2, ...
 DEFAULT_MAX_WAITING = 256
 
 
@@ -31,10 +31,16 @@ class API:
     metrics: EngineMetrics
     server: APIServer
     info: EngineInfo
+    _ids: itertools.count = field(default_factory=itertools.count)
+
+    def new_request_id(self) -> int:
+        """Request ids in arrival order across API and workload requests (serve renumbers the
+        workload's while the API runs, so the two never collide)."""
+        return next(self._ids)
 
     def before_tick(self, sched) -> None:
         """A tick boundary: new requests and cancellations reach the scheduler."""
-        self.bridge.drain(sched)
+        self.bridge.drain(sched, self.new_request_id)
 
     def after_tick(self, sched) -> None:
         """Tokens and ends go out; the gauges show the pools now (also right after a cancel)."""
@@ -60,8 +66,7 @@ def start_api(args: argparse.Namespace, setup, dropped) -> API | None:
                       block_size=bm.block_size, tokenizer=setup.tokenizer, chat_template=template,
                       has_tool_call_token=model.tool_call_start_id is not None,
                       eos_ids=frozenset(setup.scheduler.eos_ids))
-    first_id = 0 if args.workload == "none" else API_FIRST_ID_WITH_WORKLOAD
-    bridge = EngineBridge(first_request_id=first_id, max_waiting=args.max_waiting)
+    bridge = EngineBridge(max_waiting=args.max_waiting)
     metrics = EngineMetrics(setup.model_name, dropped)
     server = APIServer(build_app(info, bridge, metrics, args.api_key), args.api_host, args.api_port)
     server.start()

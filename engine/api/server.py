@@ -77,17 +77,17 @@ def build_app(info: EngineInfo, bridge: EngineBridge, metrics: EngineMetrics, ap
     async def _serve(request: Request, engine_request: EngineRequest, reply) -> Response:
         outbox = Outbox(asyncio.get_running_loop())
         try:
-            request_id = bridge.submit(engine_request.prompt_tokens, engine_request.sampling,
+            handle = bridge.submit(engine_request.prompt_tokens, engine_request.sampling,
                                        engine_request.features, outbox)
         except QueueFull as exc:
             raise APIError(429, str(exc), type=TYPE_RATE, code="too_many_waiting",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         if engine_request.stream:
-            return StreamingResponse(_events(request_id, outbox, reply, engine_request.include_usage),
+            return StreamingResponse(_events(handle, outbox, reply, engine_request.include_usage),
                                      media_type="text/event-stream")
-        return await _whole(request, request_id, outbox, reply)
+        return await _whole(request, handle, outbox, reply)
 
-    async def _whole(request: Request, request_id: int, outbox: Outbox, reply) -> Response:
+    async def _whole(request: Request, handle: int, outbox: Outbox, reply) -> Response:
         disconnect = asyncio.ensure_future(_client_gone(request))
         try:
             while True:
@@ -95,7 +95,7 @@ def build_app(info: EngineInfo, bridge: EngineBridge, metrics: EngineMetrics, ap
                 done, _ = await asyncio.wait({get, disconnect}, return_when=asyncio.FIRST_COMPLETED)
                 if get not in done:
                     get.cancel()
-                    bridge.cancel(request_id)
+                    bridge.cancel(handle)
                     return Response(status_code=CLIENT_CLOSED)
                 item = get.result()
                 if isinstance(item, Tokens):
@@ -108,7 +108,7 @@ def build_app(info: EngineInfo, bridge: EngineBridge, metrics: EngineMetrics, ap
         finally:
             disconnect.cancel()
 
-    async def _events(request_id: int, outbox: Outbox, reply, include_usage: bool):
+    async def _events(handle: int, outbox: Outbox, reply, include_usage: bool):
         is_over = False
         try:
             while not is_over:
@@ -126,7 +126,7 @@ def build_app(info: EngineInfo, bridge: EngineBridge, metrics: EngineMetrics, ap
             yield "data: [DONE]\n\n"
         finally:
             if not is_over:   # the client went away (or the send failed): stop computing for it
-                bridge.cancel(request_id)
+                bridge.cancel(handle)
 
     async def on_api_error(_request: Request, exc: APIError) -> Response:
         return exc.response()
