@@ -44,6 +44,8 @@ def test_api_run_bundle_replays_identically(tmp_path):
     with zipfile.ZipFile(bundle) as archive:
         name = next(n for n in archive.namelist() if n.endswith("workload.jsonl"))
         lines = [json.loads(line) for line in archive.read(name).decode().splitlines()]
+        summary = archive.read(next(n for n in archive.namelist() if n.endswith("summary.md"))).decode()
+    assert "## Requests by source" in summary and "| api | finished | 4 |" in summary
     features = [line["features"] for line in lines]
     assert len(lines) == 4 and all(f["source"] == "api" for f in features)
     assert any(f["enable_thinking"] for f in features) and any(f["require_tool_call"] for f in features)
