@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import logging
+import sys
 from dataclasses import dataclass, field
 
 from engine.api.bridge import EngineBridge
@@ -14,6 +15,9 @@ from engine.api.server import APIServer, build_app
 
 log = logging.getLogger("chunkscope.api")
 DEFAULT_MAX_WAITING = 256
+# The tick loop releases the GIL at every torch op; while the HTTP thread holds it, the loop
+# waits up to the switch interval (5 ms by default) per op. A short interval bounds that stall.
+GIL_SWITCH_INTERVAL_S = 0.0002
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -70,6 +74,7 @@ def start_api(args: argparse.Namespace, setup, dropped) -> API | None:
     metrics = EngineMetrics(setup.model_name, dropped)
     server = APIServer(build_app(info, bridge, metrics, args.api_key), args.api_host, args.api_port)
     server.start()
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     log.info("API listening on %s (chat template: %s)", server.url, template.origin)
     print(f"[engine] OpenAI-compatible API on {server.url}/v1", flush=True)
     return API(bridge, metrics, server, info)

@@ -112,7 +112,7 @@ def build_app(info: EngineInfo, bridge: EngineBridge, metrics: EngineMetrics, ap
         is_over = False
         try:
             while not is_over:
-                item = await outbox.queue.get()
+                item = _merged(await outbox.queue.get(), outbox.queue)
                 if isinstance(item, Tokens):
                     chunks = reply.on_tokens(item)
                 elif item.status == ev.REQ_FINISHED:
@@ -150,6 +150,15 @@ async def _client_gone(request: Request) -> None:
     """Returns when the client disconnects (its body has been read, so only that can come)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def _merged(item, queue: asyncio.Queue):
+    """``item`` joined with the token batches already queued behind it: a client that fell behind
+    gets one larger event instead of many small ones (an end stays queued for the next turn)."""
+    while isinstance(item, Tokens) and not queue.empty() and isinstance(queue._queue[0], Tokens):
+        more = queue.get_nowait()
+        item = Tokens(item.token_ids + more.token_ids, item.logprobs + more.logprobs)
+    return item
 
 
 def _ended_error(item: Ended) -> APIError:
