@@ -37,7 +37,8 @@ def stream_text(stream, field="text"):
 
 def test_completion_usage_and_stream_equal_whole(api_server, tokenizer):
     client = api_server.client()
-    whole = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"min_tokens": 12})
+    whole = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0,
+                                      extra_body={"min_tokens": 12})
     assert whole.usage.prompt_tokens == len(tokenizer.encode(PROMPT))
     assert whole.usage.completion_tokens == 12 and whole.choices[0].finish_reason == "length"
     row = api_server.rows("SELECT prompt_len, output_len, source FROM requests ORDER BY request_id DESC LIMIT 1")
@@ -74,7 +75,8 @@ def test_chat_whole_and_streamed_agree(api_server):
 
 def test_seeded_sampled_request_repeats(api_server):
     client = api_server.client()
-    args = dict(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0.9, top_p=0.95, seed=1234, extra_body={"top_k": 50})
+    args = dict(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0.9, top_p=0.95, seed=1234,
+                extra_body={"top_k": 50})
     first = client.completions.create(**args).choices[0].text
     assert client.completions.create(**args).choices[0].text == first
     other = client.completions.create(**{**args, "seed": 99}).choices[0].text
@@ -83,7 +85,8 @@ def test_seeded_sampled_request_repeats(api_server):
 
 def test_stop_string_ends_text(api_server):
     client = api_server.client()
-    base = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0, extra_body={"min_tokens": 24})
+    base = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0,
+                                     extra_body={"min_tokens": 24})
     text = base.choices[0].text
     clean = [i for i in range(3, len(text) - 2) if "\ufffd" not in text[i:i + 2] and text[i:i + 2] not in text[:i]]
     assert clean, f"no usable stop string in {text!r}"

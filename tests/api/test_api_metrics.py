@@ -14,7 +14,8 @@ def store_counts(server) -> dict:
     success = Counter(FINISHED_REASON[r["finish_reason"]] for r in rows if r["status"] in ("finished", "cancelled"))
     chunks = {(r["path"], r["cap_rule"]): r["n"] for r in server.rows(
         "SELECT path, cap_rule, count(*) AS n FROM chunks GROUP BY path, cap_rule")}
-    rules = Counter(rule for r in server.rows("SELECT first_token_rules FROM chunks WHERE first_token_rules IS NOT NULL")
+    rules = Counter(rule for r in server.rows(
+        "SELECT first_token_rules FROM chunks WHERE first_token_rules IS NOT NULL")
                     for rule in r["first_token_rules"].split(","))
     return {"generation": server.rows("SELECT count(*) AS n FROM tokens")[0]["n"],
             "prompt": sum(r["prompt_len"] for r in rows if r["first_token_ns"] is not None),

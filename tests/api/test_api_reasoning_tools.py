@@ -26,8 +26,9 @@ def test_thinking_returns_reasoning_and_row_shows_rule(api_server):
     assert json.loads(row["features"])["enable_thinking"] is True and row["source"] == "api"
     output = json.loads(row["output_tokens"])
     assert output[0] != THINK_END
-    chunk = wait_for(lambda: api_server.rows("SELECT first_token_rules FROM chunks WHERE request_id = ? AND is_last = 1",
-                                             (row["request_id"],)), "the last chunk row")
+    chunk = wait_for(lambda: api_server.rows(
+        "SELECT first_token_rules FROM chunks WHERE request_id = ? AND is_last = 1", (row["request_id"],)),
+        "the last chunk row")
     assert chunk[0]["first_token_rules"] == "thinking"
     streamed = api_server.client().chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "Think first."}], max_tokens=12, temperature=0,

@@ -25,7 +25,8 @@ def test_api_run_bundle_replays_identically(tmp_path):
         wait_for(lambda: _up(client), "the API", proc)
         chat = dict(model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=6)
         calls = [
-            lambda: client.chat.completions.create(**chat, extra_body={"chat_template_kwargs": {"enable_thinking": True}}),
+            lambda: client.chat.completions.create(
+                **chat, extra_body={"chat_template_kwargs": {"enable_thinking": True}}),
             lambda: client.chat.completions.create(**chat, tools=TOOLS, tool_choice="required", temperature=0),
             lambda: client.completions.create(model="tiny", prompt="stop here", max_tokens=20, stop=["e", "a"],
                                               temperature=0.7, seed=3, logprobs=2),

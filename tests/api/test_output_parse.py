@@ -46,7 +46,8 @@ def test_builtin_template_renders_qwen_chatml():
     assert thinking.endswith("<|im_start|>assistant\n<think>\n")
     tools = [{"type": "function", "function": {"name": "f"}}]
     call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
-    text = template.render([{"role": "user", "content": "U"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+    text = template.render([{"role": "user", "content": "U"},
+                            {"role": "assistant", "content": "", "tool_calls": [call]},
                             {"role": "tool", "content": "R1"}, {"role": "tool", "content": "R2"}], tools,
                            enable_thinking=False)
     assert '"name": "f"' in text and "<function=f>\n<parameter=a>\n1\n</parameter>" in text
