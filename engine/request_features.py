@@ -15,6 +15,7 @@ SOURCE_API = "api"
 SOURCES = (SOURCE_WORKLOAD, SOURCE_API)
 MAX_LOGPROBS = 20          # top-k alternatives per token (OpenAI's bound for chat top_logprobs)
 MAX_STOP_STRINGS = 16
+CLIENT_DISCONNECTED = "client disconnected"   # the cancel reason of an API client that went away
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,11 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.request_features import RequestFeatures
+from engine.request_features import CLIENT_DISCONNECTED, RequestFeatures
 from telemetry import events as ev
 
 log = logging.getLogger("chunkscope.api")
-CANCEL_REASON = "client disconnected"
+CANCEL_REASON = CLIENT_DISCONNECTED
 
 
 class QueueFull(Exception):

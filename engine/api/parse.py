@@ -131,8 +131,10 @@ def _engine_request(info: EngineInfo, body: SamplingFields, tokens: list[int], m
     if room < 1:
         raise bad_request(f"prompt: {len(tokens)} tokens do not fit the model's context of {info.max_context}",
                           "prompt", "context_length_exceeded")
-    if max_tokens is None:
-        max_tokens = room
+    if max_tokens is None:   # as much as the context and the whole KV cache leave (vLLM's default)
+        max_tokens = min(room, info.num_kv_blocks * info.block_size - len(tokens))
+        if max_tokens < 1:
+            raise bad_request(f"prompt: {len(tokens)} tokens fill the whole KV cache", "prompt", "kv_cache_exceeded")
     if len(tokens) + max_tokens > info.max_context:
         raise bad_request(f"max_tokens: {len(tokens)} prompt + {max_tokens} max_tokens exceed the model's "
                           f"context of {info.max_context}", "max_tokens", "context_length_exceeded")

@@ -138,5 +138,14 @@ def test_logprobs_equal_engine_log_softmax(api_server, tokenizer):
     assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob, abs=1e-5) for c in content)  # greedy: top 1
 
 
+def test_chat_without_max_tokens_gets_what_the_cache_leaves(api_server):
+    """No max_tokens: accepted (not a 400 for exceeding the cache); the stream is left after one event."""
+    stream = api_server.client().chat.completions.create(model="tiny", messages=MESSAGES, temperature=0,
+                                                         stream=True)
+    first = next(iter(stream))
+    assert first.choices[0].delta.role == "assistant"
+    stream.close()
+
+
 def test_models_and_health(api_server):
     assert [m.id for m in api_server.client().models.list().data] == ["tiny"]

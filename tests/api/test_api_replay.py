@@ -6,6 +6,7 @@ import json
 import threading
 import zipfile
 
+import httpx
 import openai
 
 from conftest import free_port
@@ -31,6 +32,7 @@ def test_api_run_bundle_replays_identically(tmp_path):
             lambda: client.completions.create(model="tiny", prompt="stop here", max_tokens=20, stop=["e", "a"],
                                               temperature=0.7, seed=3, logprobs=2),
             lambda: client.completions.create(model="tiny", prompt="x" * 300, max_tokens=8, temperature=0),
+            lambda: _leave_early(port),
         ]
         threads = [threading.Thread(target=call) for call in calls]   # concurrent: mixed chunks, batches
         for thread in threads:
@@ -47,14 +49,29 @@ def test_api_run_bundle_replays_identically(tmp_path):
         lines = [json.loads(line) for line in archive.read(name).decode().splitlines()]
         summary = archive.read(next(n for n in archive.namelist() if n.endswith("summary.md"))).decode()
     assert "## Requests by source" in summary and "| api | finished | 4 |" in summary
+    assert "| api | cancelled | 1 |" in summary
     features = [line["features"] for line in lines]
-    assert len(lines) == 4 and all(f["source"] == "api" for f in features)
+    assert len(lines) == 5 and all(f["source"] == "api" for f in features)
     assert any(f["enable_thinking"] for f in features) and any(f["require_tool_call"] for f in features)
     assert any(f["stop_strings"] == ["e", "a"] and f["logprobs"] == 2 for f in features)
     recorded, _ = load_input(str(bundle))
+    cancelled = [r for r in recorded.requests if r.status == "cancelled"]
+    assert len(cancelled) == 1 and 3 <= len(cancelled[0].output_tokens) < 200
     report = compare(recorded, replay_run(recorded, model="tiny"))
     assert report["first_divergence"] is None, report["first_divergence"]
     assert report["decisions_identical"] and report["tokens_identical"]
+
+
+def _leave_early(port: int) -> None:
+    """A streaming client that reads three events and disconnects: cancelled, and replayed as such."""
+    body = {"model": "tiny", "prompt": "leaving", "max_tokens": 200, "min_tokens": 200, "stream": True,
+            "temperature": 0}
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as response:
+        events = 0
+        for line in response.iter_lines():
+            events += line.startswith("data: ")
+            if events == 3:
+                break
 
 
 def _up(client) -> bool:
