@@ -6,6 +6,7 @@ vLLM's names where the meaning is the same (so existing Grafana boards work), ou
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily
 
 from telemetry import events as ev
 
+log = logging.getLogger("chunkscope.api")
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # The engine's finish reasons -> vLLM's finished_reason label values.
 FINISHED_REASON = {"eos": "stop", "stop": "stop", "length": "length", ev.REQ_CANCELLED: "abort"}
@@ -77,16 +79,22 @@ class EngineMetrics:
         self.failed = counter("chunkscope:requests_failed", "Requests ended without finishing", ("status",))
         registry.register(_DroppedCollector(dropped))
         self._last_kind: str | None = None
+        self._failed = False
         self._last_token_ns: dict[int, int] = {}
 
     def tee(self, emit: Callable[[Any], None] | None) -> Callable[[Any], None]:
-        """An emit function that feeds these metrics, then ``emit`` (the writer's) when there is one."""
-        if emit is None:
-            return self.observe
+        """An emit function that feeds these metrics, then ``emit`` (the writer's) when there is one.
 
+        A metrics bug must never stop the tick loop: it is logged once and the metrics go on."""
         def both(event: Any) -> None:
-            self.observe(event)
-            emit(event)
+            try:
+                self.observe(event)
+            except Exception:
+                if not self._failed:
+                    log.exception("metrics: observing %s failed (logged once; serving goes on)", type(event).__name__)
+                    self._failed = True
+            if emit is not None:
+                emit(event)
         return both
 
     def observe(self, event: Any) -> None:

@@ -148,6 +148,8 @@ class Scheduler:
                 prompt_tokens, (list, tuple)) else []
             request.features_record = features.to_dict() if isinstance(features, RequestFeatures) else \
                 dict(features) if isinstance(features, dict) else {}
+            if isinstance(features, RequestFeatures):   # an API request stays one in its row
+                request.features = features
             request.status, request.error, request.finish_reason = ev.REQ_REJECTED, str(exc), "error"
             request.finished_ns = request.arrival_ns
             self.mark_done([request])
