@@ -182,7 +182,8 @@ class APIServer:
         deadline = time.monotonic() + timeout_s
         while not self._server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise OSError(f"the API server could not listen on {self.host}:{self.port}")
+                raise ValueError(f"--api-port: the API server could not listen on {self.host}:{self.port} "
+                                 "(in use, or not an address of this machine?)")
             time.sleep(0.01)
         sockets = [s for server in self._server.servers for s in server.sockets]
         if sockets:
