@@ -12,6 +12,7 @@ from engine.api.chat_template import ChatTemplate
 from engine.api.metrics import EngineMetrics
 from engine.api.parse import EngineInfo
 from engine.api.server import APIServer, build_app
+from telemetry.cli_args import bounded_int
 
 log = logging.getLogger("chunkscope.api")
 DEFAULT_MAX_WAITING = 256
@@ -21,11 +22,11 @@ GIL_SWITCH_INTERVAL_S = 0.0002
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--api-port", type=int, default=None,
+    p.add_argument("--api-port", type=bounded_int(0, 65535), default=None,
                    help="serve the OpenAI-compatible API on this port (0: any free port; default: no API)")
     p.add_argument("--api-host", default="127.0.0.1",
                    help="address the API binds (default 127.0.0.1: this machine only)")
-    p.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
+    p.add_argument("--max-waiting", type=bounded_int(1, 1_000_000), default=DEFAULT_MAX_WAITING,
                    help="API requests beyond this many waiting get 429 with Retry-After")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API (default: none)")
 
