@@ -1,46 +1,15 @@
 """A real ``python -m engine serve --api-port`` subprocess on a free loopback port, shared by the API tests."""
 from __future__ import annotations
 
-import socket
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
-from serve_process import query, start_serve, stop, wait_for  # noqa: E402
-
-MAX_WAITING = 3
-SSM_SLOTS = 2
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@dataclass
-class Server:
-    url: str
-    run_dir: Path
-    proc: object
-
-    @property
-    def db(self) -> Path:
-        return self.run_dir / "telemetry.db"
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-    def rows(self, sql: str, params: tuple = ()) -> list[dict]:
-        return query(self.db, sql, params)
-
-    def metrics_text(self) -> str:
-        return httpx.get(f"{self.url}/metrics", timeout=10).text
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from api_server_helpers import MAX_WAITING, SSM_SLOTS, Server, free_port  # noqa: E402
+from serve_process import start_serve, stop, wait_for  # noqa: E402
 
 
 @pytest.fixture(scope="session")

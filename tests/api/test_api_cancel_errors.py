@@ -10,7 +10,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import MAX_WAITING, SSM_SLOTS
+from api_server_helpers import MAX_WAITING, SSM_SLOTS
 from serve_process import wait_for
 
 LONG = {"model": "tiny", "prompt": "A long story:", "max_tokens": 900, "min_tokens": 900, "temperature": 0}

@@ -9,7 +9,7 @@ import zipfile
 import httpx
 import openai
 
-from conftest import free_port
+from api_server_helpers import free_port
 from engine.replay import load_input, replay_run
 from engine.replay_compare import compare
 from serve_process import kill_quietly, start_serve, stop, wait_for
