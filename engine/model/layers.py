@@ -26,6 +26,13 @@ PACKED_STEPS_PER_OCTAVE = 8
 # On unless CHUNKSCOPE_ONEDNN_PREPACK=0: with bucketed row counts the memory stays bounded.
 PREPACK_ENABLED = os.environ.get("CHUNKSCOPE_ONEDNN_PREPACK", "1") != "0"
 
+# Decode-size inputs (1 to PACKED_MIN_ROWS-1 rows) use the same prepacked copy: skinny calls to
+# MKL's sgemm repack the weight on every call. On an AVX2 EPYC, 1 thread, 30 weights of
+# 3072x576 (bench/decode_gemm.py): batch 8 streamed 4.1 GB/s through sgemm, 4.0 through MKL's
+# packed sgemm and 6.3 through oneDNN's packed copy; batch 1 9.6 / 14.0 / 12.4. oneDNN wins
+# where decode spends its time and needs no second copy. Off with CHUNKSCOPE_DECODE_PREPACK=0.
+DECODE_PREPACK_ENABLED = os.environ.get("CHUNKSCOPE_DECODE_PREPACK", "1") != "0"
+
 
 def _can_prepack(weight: torch.Tensor) -> bool:
     return (PREPACK_ENABLED and weight.device.type == "cpu" and weight.dtype == torch.float32
@@ -33,8 +40,13 @@ def _can_prepack(weight: torch.Tensor) -> bool:
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
+def min_packed_rows() -> int:
+    """The fewest input rows that take a prepacked weight (1 with decode prepacking on)."""
+    return 1 if DECODE_PREPACK_ENABLED else PACKED_MIN_ROWS
+
+
 def packed_rows(rows: int) -> int:
-    """The bucketed row count a prepacked GEMM runs for ``rows`` (>= PACKED_MIN_ROWS) input rows."""
+    """The bucketed row count a prepacked GEMM runs for ``rows`` input rows (exact below 16)."""
     step = max(1, (1 << (rows.bit_length() - 1)) // PACKED_STEPS_PER_OCTAVE)
     return -(-rows // step) * step
 
@@ -43,8 +55,8 @@ class FusedLinear:
     """``y = x @ weight^T + bias`` over a fixed weight, with a oneDNN-prepacked copy for many-row inputs.
 
     The copy is made once (``weight`` [out, in] float32 on CPU, at least PACKED_MIN_WEIGHT
-    elements); inputs of at least ``PACKED_MIN_ROWS`` rows (prefill chunks) use it, their row
-    count padded up to ``packed_rows``; fewer rows (decode) keep MKL's GEMV/GEMM.
+    elements); inputs of at least ``min_packed_rows()`` rows use it (prefill chunks, and decode
+    batches unless decode prepacking is off), their row count padded up to ``packed_rows``.
     On other devices or dtypes it is a plain ``F.linear``.
     """
 
@@ -57,7 +69,7 @@ class FusedLinear:
 
     def can_pack(self, x: torch.Tensor) -> bool:
         """Whether ``x`` [T, in] takes the prepacked path."""
-        return (self.packed is not None and x.dim() == 2 and x.shape[0] >= PACKED_MIN_ROWS
+        return (self.packed is not None and x.dim() == 2 and x.shape[0] >= min_packed_rows()
                 and x.dtype == torch.float32)
 
     def packed_call(self, x: torch.Tensor, post_op: str = "none", other: torch.Tensor | None = None) -> torch.Tensor:
