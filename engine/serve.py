@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from engine.model.cpu_features import DTYPE_CHOICES
 from engine.engine_setup import EngineSetup, build_engine, run_started_row
 from engine.lever_watch import LeverWatcher
 from engine.model.fault import ENV_VAR as FAULT_ENV_VAR, ForwardFault
@@ -52,6 +53,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--start", type=int, default=0, help="trace: first row to replay")
     p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse cached prompt prefixes (KV blocks + SSM snapshots); default on")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                   help="auto: bfloat16 where the CPU has AMX or AVX512-BF16, else float32 (recorded in the run row)")
     p.add_argument("--no-telemetry", action="store_true", help="run without writing telemetry (benchmarks)")
     p.set_defaults(func=run)
 
@@ -67,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         log.warning("test fault hook %s armed: forwards carrying %s will raise", FAULT_ENV_VAR, fault.describe())
     setup = build_engine(args.model, kv_blocks=args.kv_blocks, ssm_slots=args.ssm_slots,
                          levers=base_levers, seed=args.seed, prefix_cache=args.prefix_cache,
-                         threads=args.threads, fault=fault)
+                         threads=args.threads, fault=fault, dtype=args.dtype)
     feed = WorkloadFeed.from_args(args, setup)
     writer, telemetry_error = None, None
     if not args.no_telemetry:
