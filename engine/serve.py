@@ -17,10 +17,11 @@ from pathlib import Path
 
 import torch
 
-from engine.model.cpu_features import DTYPE_CHOICES
 from engine.engine_setup import EngineSetup, build_engine, run_started_row
 from engine.lever_watch import LeverWatcher
+from engine.model.cpu_features import DTYPE_CHOICES
 from engine.model.fault import ENV_VAR as FAULT_ENV_VAR, ForwardFault
+from engine.model.roofline import measure_rates
 from engine.workload.request import RequestSpec
 from engine.workload_feed import WorkloadFeed
 from telemetry.levers import defaults, from_env
@@ -30,6 +31,9 @@ from telemetry import events as ev
 
 log = logging.getLogger("chunkscope.serve")
 IDLE_SLEEP_S = 0.02
+# The bandwidth probe's buffer: larger than a server CPU's last-level cache, small enough to be
+# quick (~0.1 s) at start.
+ROOFLINE_STREAM_MIB = 128
 DONE_KEPT = 1024  # ended requests held in memory by an endless server (their rows are in SQLite)
 
 
@@ -71,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
     setup = build_engine(args.model, kv_blocks=args.kv_blocks, ssm_slots=args.ssm_slots,
                          levers=base_levers, seed=args.seed, prefix_cache=args.prefix_cache,
                          threads=args.threads, fault=fault, dtype=args.dtype)
+    _measure_roofline(setup)
     feed = WorkloadFeed.from_args(args, setup)
     writer, telemetry_error = None, None
     if not args.no_telemetry:
@@ -112,6 +117,17 @@ def run(args: argparse.Namespace) -> int:
         status_file.maybe_write(_status_fields(sched, writer, telemetry_error, status), force=True)
         log.info("run %s after %d ticks", status, sched.tick)
     return 0
+
+
+def _measure_roofline(setup: EngineSetup) -> None:
+    """Time this machine's GEMM rate and read bandwidth once, so every tick records its roofline."""
+    started = time.perf_counter()
+    rates = measure_rates(setup.runner.dtype, stream_mib=ROOFLINE_STREAM_MIB)
+    setup.scheduler.machine_rates = rates
+    setup.engine_config["roofline_rates"] = {"gemm_gflop_s": round(rates.flops_per_s / 1e9, 2),
+                                             "read_gb_s": round(rates.bytes_per_s / 1e9, 2)}
+    log.info("roofline rates: square GEMM %.1f GFLOP/s, read %.1f GB/s (measured in %.2f s)",
+             rates.flops_per_s / 1e9, rates.bytes_per_s / 1e9, time.perf_counter() - started)
 
 
 def _open_telemetry(db_path: Path, setup: EngineSetup, args, feed) -> tuple[TelemetryWriter | None, str | None]:

@@ -118,6 +118,10 @@ class Tick(Event):
     ssm_slots_used: int = 0
     ssm_slots_total: int = 0
     num_finished: int = 0               # requests that finished this tick
+    # The least time this machine could take for the tick's forwards (max of FLOPs at the GEMM
+    # rate and bytes at the read bandwidth, engine/model/roofline.py); roofline_ns / duration_ns
+    # is the share of the machine the tick reached. None when the engine measured no rates.
+    roofline_ns: int | None = None
 
 
 @dataclass
