@@ -14,7 +14,8 @@ PACKED_MIN_ROWS = 128
 
 # Weights smaller than this (elements) stay on MKL: oneDNN's per-call overhead loses on short
 # GEMMs (the tiny model's 128-wide projections prefilled 3-14% slower prepacked).
-PACKED_MIN_WEIGHT = 1 << 18
+PACKED_MIN_WEIGHT = int(os.environ.get("CHUNKSCOPE_PREPACK_MIN_WEIGHT", 1 << 18))
+# (The override lets bench/soak.py drive the tiny model through the prepacked paths.)
 
 # oneDNN builds a primitive per input shape, and a server sees a new row count almost every
 # tick (chunk length + decode rows): unpadded, that grew resident memory without bound (+470 MB
