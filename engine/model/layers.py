@@ -36,9 +36,13 @@ DECODE_PREPACK_ENABLED = os.environ.get("CHUNKSCOPE_DECODE_PREPACK", "1") != "0"
 
 
 def _can_prepack(weight: torch.Tensor) -> bool:
-    return (PREPACK_ENABLED and weight.device.type == "cpu" and weight.dtype == torch.float32
-            and weight.numel() >= PACKED_MIN_WEIGHT
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    """fp32 CPU weights; bf16 ones too where oneDNN runs bf16 natively (AMX / AVX512-BF16 / AVX-NE-CONVERT)."""
+    if not (PREPACK_ENABLED and weight.device.type == "cpu" and weight.numel() >= PACKED_MIN_WEIGHT
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    if weight.dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return weight.dtype == torch.float32
 
 
 def min_packed_rows() -> int:
@@ -55,7 +59,7 @@ def packed_rows(rows: int) -> int:
 class FusedLinear:
     """``y = x @ weight^T + bias`` over a fixed weight, with a oneDNN-prepacked copy for many-row inputs.
 
-    The copy is made once (``weight`` [out, in] float32 on CPU, at least PACKED_MIN_WEIGHT
+    The copy is made once (``weight`` [out, in] on CPU, float32 or bf16 per ``_can_prepack``, at least PACKED_MIN_WEIGHT
     elements); inputs of at least ``min_packed_rows()`` rows use it (prefill chunks, and decode
     batches unless decode prepacking is off), their row count padded up to ``packed_rows``.
     On other devices or dtypes it is a plain ``F.linear``.
@@ -71,7 +75,7 @@ class FusedLinear:
     def can_pack(self, x: torch.Tensor) -> bool:
         """Whether ``x`` [T, in] takes the prepacked path."""
         return (self.packed is not None and x.dim() == 2 and x.shape[0] >= min_packed_rows()
-                and x.dtype == torch.float32)
+                and x.dtype == self.weight.dtype)
 
     def packed_call(self, x: torch.Tensor, post_op: str = "none", other: torch.Tensor | None = None) -> torch.Tensor:
         """oneDNN GEMM on already bucketed rows (``pad_rows``): [P, in] -> [P, out].

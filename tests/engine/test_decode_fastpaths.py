@@ -87,3 +87,19 @@ def test_bf16_decode_meets_its_tolerance():
     assert max(errors) <= BF16_MAX_LOGIT_ERROR, errors
     agree = [x == y for fp32_step, bf16_step in zip(tokens, bf16_tokens) for x, y in zip(fp32_step, bf16_step)]
     assert sum(agree) / len(agree) >= BF16_MIN_GREEDY_AGREEMENT
+
+
+def test_bf16_weights_prepack_only_where_onednn_runs_bf16(monkeypatch):
+    """On a CPU with native bf16 (AMX / AVX512-BF16) the bf16 copy is packed and matches F.linear."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN")
+    monkeypatch.setattr(layers, "PREPACK_ENABLED", True)
+    monkeypatch.setattr(layers, "PACKED_MIN_WEIGHT", 0)
+    weight = torch.randn(96, 64).bfloat16()
+    linear = layers.FusedLinear(weight)
+    supported = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert (linear.packed is not None) == supported
+    x = torch.randn(8, 64).bfloat16()
+    expected = torch.nn.functional.linear(x.float(), weight.float())
+    assert torch.allclose(linear(x).float(), expected, atol=0.1, rtol=0.02)
+    assert not linear.can_pack(x.float())  # an fp32 input never meets a bf16 packed weight
