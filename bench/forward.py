@@ -178,7 +178,8 @@ def bench_model(name: str, dtype: torch.dtype, rounds: int, steps: int, with_hf:
         their_share = "n/a" if r["theirs_roofline_share"] is None else f"{r['theirs_roofline_share']:5.1%}"
         label = f"prefill {PROMPT_LEN}" if r["row"] == "prefill" else f"decode b{r['batch']:<2}"
         print(f"[{name}] {label:11}: ours {r['ours_ms']:8.2f} ms  transformers {theirs_text}  ratio {ratio_text}  "
-              f"roofline {r['roofline_ms']:7.2f} ms ({r['bound']}-bound: {r['gflop']:.2f} GFLOP, {r['mbytes']:.0f} MB)  "
+              f"roofline {r['roofline_ms']:7.2f} ms "
+              f"({r['bound']}-bound: {r['gflop']:.2f} GFLOP, {r['mbytes']:.0f} MB)  "
               f"share ours {r['roofline_share']:5.1%} transformers {their_share}")
     return rows
 

@@ -59,8 +59,8 @@ def packed_rows(rows: int) -> int:
 class FusedLinear:
     """``y = x @ weight^T + bias`` over a fixed weight, with a oneDNN-prepacked copy for many-row inputs.
 
-    The copy is made once (``weight`` [out, in] on CPU, float32 or bf16 per ``_can_prepack``, at least PACKED_MIN_WEIGHT
-    elements); inputs of at least ``min_packed_rows()`` rows use it (prefill chunks, and decode
+    The copy is made once (``weight`` [out, in] on CPU, float32 or bf16 per ``_can_prepack``, at
+    least PACKED_MIN_WEIGHT elements); inputs of at least ``min_packed_rows()`` rows use it (prefill chunks, and decode
     batches unless decode prepacking is off), their row count padded up to ``packed_rows``.
     On other devices or dtypes it is a plain ``F.linear``.
     """
