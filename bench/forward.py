@@ -6,7 +6,9 @@ transformers time and their ratio, and each forward's **roofline** (``engine/mod
 max(its FLOPs at the square-GEMM rate, its weight + KV + linear-state bytes at the streaming
 read bandwidth), both rates measured in the same run with the same threads and dtype, and the
 share of that roofline each side reaches (roofline time / measured time; 100% is the machine's
-limit). ``--json`` prints the same as one object on stdout.
+limit). Decode rows also time the step's GEMMs alone (every projection and the LM head, as
+the engine runs them, on random inputs): the share those reach bounds any forward built on
+the same GEMM kernels. ``--json`` prints the same as one object on stdout.
 
 The machine is shared, so every measurement is interleaved: each round times ours, then
 transformers, then the machine rates, back to back, and the table reports per-round medians.
@@ -30,6 +32,7 @@ import torch
 
 from engine.model.config import ModelConfig
 from engine.model.cpu_features import cpu_flags, cpu_model, isa_summary, resolve_dtype
+from engine.model.layers import FusedLinear
 from engine.model.loader import load_model
 from engine.model.qwen3_5 import Qwen35ForCausalLM
 from engine.model.roofline import ForwardCost, MachineRates, forward_cost, measure_rates
@@ -126,6 +129,27 @@ def decode_cost(model: Qwen35ForCausalLM, batch: int, context: int, weight_bytes
     return forward_cost(model.config, weight_bytes, 0, 0, [context] * batch, batch)
 
 
+def decode_linears(model: Qwen35ForCausalLM) -> list[FusedLinear]:
+    """Every GEMM a decode step runs, in forward order, as the engine runs it (packed where it packs)."""
+    found = []
+    for layer in model.model.layers:
+        mixer = layer.linear_attn if layer.is_linear else layer.self_attn
+        found += [mixer.fused_in, mixer.fused_out] if layer.is_linear else [mixer.fused_qkv, mixer.fused_o]
+        mlp = layer.mlp
+        found += [mlp.packed_gate, mlp.packed_up] if mlp.packed_gate is not None else [mlp.fused_gate_up]
+        found.append(mlp.fused_down)
+    return found + [model.fused_lm_head]
+
+
+def gemm_floor_seconds(linears: list[FusedLinear], batch: int, dtype: torch.dtype) -> float:
+    """One pass of a decode step's GEMMs alone (no norms, no mixers): what the GEMM kernels cost by themselves.
+
+    The weights together are larger than the caches, so each is read from memory as in a real step.
+    """
+    inputs = [torch.randn(batch, linear.weight.shape[1], dtype=dtype) for linear in linears]
+    return seconds(lambda: [linear(x) for linear, x in zip(linears, inputs)])
+
+
 def bench_model(name: str, dtype: torch.dtype, rounds: int, steps: int, with_hf: bool) -> list[dict]:
     """Interleaved rounds of ours / transformers / the machine rates; one result row per forward kind."""
     model = build(name, dtype)
@@ -138,6 +162,7 @@ def bench_model(name: str, dtype: torch.dtype, rounds: int, steps: int, with_hf:
         theirs.decode_step(1)
     times: dict[str, list[float]] = {}
     rates: list[MachineRates] = []
+    linears = decode_linears(model)
 
     def record(key: str, value: float) -> None:
         times.setdefault(key, []).append(value)
@@ -152,6 +177,7 @@ def bench_model(name: str, dtype: torch.dtype, rounds: int, steps: int, with_hf:
                 record(f"ours b{batch}", ours.decode_step(batch))
                 if theirs:
                     record(f"theirs b{batch}", theirs.decode_step(batch))
+            record(f"gemms b{batch}", gemm_floor_seconds(linears, batch, dtype))
     median = {key: statistics.median(values) for key, values in times.items()}
     rate = MachineRates(statistics.median(r.flops_per_s for r in rates),
                         statistics.median(r.bytes_per_s for r in rates))
@@ -171,7 +197,10 @@ def bench_model(name: str, dtype: torch.dtype, rounds: int, steps: int, with_hf:
                      "ratio": None if theirs_s is None else theirs_s / ours_s,
                      "roofline_ms": roofline_s * 1e3, "roofline_share": roofline_s / ours_s,
                      "theirs_roofline_share": None if theirs_s is None else roofline_s / theirs_s,
-                     "bound": bound, "gflop": cost.flops / 1e9, "mbytes": cost.bytes / 1e6})
+                     "bound": bound, "gflop": cost.flops / 1e9, "mbytes": cost.bytes / 1e6,
+                     # The decode GEMMs alone: no forward using these kernels can beat this share.
+                     "gemms_only_ms": median[f"gemms {key}"] * 1e3 if row == "decode" else None,
+                     "gemms_only_share": roofline_s / median[f"gemms {key}"] if row == "decode" else None})
     for r in rows:
         theirs_text = "n/a" if r["theirs_ms"] is None else f"{r['theirs_ms']:8.2f} ms"
         ratio_text = "n/a" if r["ratio"] is None else f"{r['ratio']:5.2f}x"
@@ -180,7 +209,9 @@ def bench_model(name: str, dtype: torch.dtype, rounds: int, steps: int, with_hf:
         print(f"[{name}] {label:11}: ours {r['ours_ms']:8.2f} ms  transformers {theirs_text}  ratio {ratio_text}  "
               f"roofline {r['roofline_ms']:7.2f} ms "
               f"({r['bound']}-bound: {r['gflop']:.2f} GFLOP, {r['mbytes']:.0f} MB)  "
-              f"share ours {r['roofline_share']:5.1%} transformers {their_share}")
+              f"share ours {r['roofline_share']:5.1%} transformers {their_share}"
+              + ("" if r["gemms_only_ms"] is None else
+                 f"  | its GEMMs alone {r['gemms_only_ms']:7.2f} ms = {r['gemms_only_share']:5.1%} of the roofline"))
     return rows
 
 
