@@ -29,9 +29,10 @@ PREPACK_ENABLED = os.environ.get("CHUNKSCOPE_ONEDNN_PREPACK", "1") != "0"
 
 # Decode-size inputs (1 to PACKED_MIN_ROWS-1 rows) use the same prepacked copy: skinny calls to
 # MKL's sgemm repack the weight on every call. On an AVX2 EPYC, 1 thread, 30 weights of
-# 3072x576 (bench/decode_gemm.py): batch 8 streamed 4.1 GB/s through sgemm, 4.0 through MKL's
-# packed sgemm and 6.3 through oneDNN's packed copy; batch 1 9.6 / 14.0 / 12.4. oneDNN wins
-# where decode spends its time and needs no second copy. Off with CHUNKSCOPE_DECODE_PREPACK=0.
+# 3072x576 (bench/decode_gemm.py): batch 8 streamed 4.0 GB/s through sgemm, 4.7 through MKL's
+# packed sgemm and 6.6 through oneDNN's packed copy (batch 32: 2.4 / 2.7 / 3.2; batch 1:
+# 11.0 / 16.7 / 13.4). oneDNN wins where decode spends its time and needs no second copy.
+# Off with CHUNKSCOPE_DECODE_PREPACK=0.
 DECODE_PREPACK_ENABLED = os.environ.get("CHUNKSCOPE_DECODE_PREPACK", "1") != "0"
 
 
