@@ -4,7 +4,7 @@ Prints, for the ``tiny`` default and a SmolLM-sized random Qwen3.5 (hidden 576, 
 3:1 linear/full), a 512-token prefill and decode steps at batch 1, 8 and 32: our time, the
 transformers time and their ratio, and each forward's **roofline** (``engine/model/roofline.py``):
 max(its FLOPs at the square-GEMM rate, its weight + KV + linear-state bytes at the streaming
-read bandwidth), both rates measured in the same run with the same threads and dtype, and the
+read bandwidth), both measured in the same run with the same threads (the GEMM in the run's dtype), and the
 share of that roofline each side reaches (roofline time / measured time; 100% is the machine's
 limit). Decode rows also time the step's GEMMs alone (every projection and the LM head, as
 the engine runs them, on random inputs): the share those reach bounds any forward built on

@@ -4,7 +4,7 @@ A forward must do its FLOPs (at best at the rate of a large square GEMM) and mus
 bytes (at best at the read bandwidth of a streaming pass): its roofline is the larger of the
 two times. ``forward_cost`` is the pure cost model (FLOPs and bytes from the config and the
 batch shape); ``measure_rates`` times the two rates on this machine with the current threads
-and dtype. ``bench/forward.py`` and the engine's per-tick telemetry both use them, so the
+(the GEMM in the given dtype). ``bench/forward.py`` and the engine's per-tick telemetry both use them, so the
 dashboard's share and the benchmark's share mean the same thing.
 """
 from __future__ import annotations
@@ -89,20 +89,28 @@ def forward_cost(config: ModelConfig, weight_bytes: int, prefill_tokens: int, pr
 
 
 def measure_rates(dtype: torch.dtype = torch.float32, gemm_size: int = 1024, stream_mib: int = 256,
-                  repeats: int = 3, clock=time.perf_counter) -> MachineRates:
-    """Best-of-``repeats`` square-GEMM FLOP/s and streaming read bytes/s, with the current threads.
+                  repeats: int = 3, clock=time.perf_counter, max_gemm_s: float = 0.05) -> MachineRates:
+    """Best-of-``repeats`` square-GEMM FLOP/s in ``dtype`` and streaming read bytes/s, with the current threads.
 
-    The read pass sums a buffer larger than any cache (``stream_mib``), so it measures memory,
-    not cache, bandwidth; a sum does one add per element, far below the machine's FLOP rate.
+    The GEMM grows from 256 up to ``gemm_size`` while one multiply stays under ``max_gemm_s``:
+    where ``dtype`` has no fast kernel (bf16 on a CPU without AVX512-BF16 / AMX runs ~100x
+    slower than fp32) a 1024 GEMM would take seconds and the engine's start would wait on it.
+    The read pass sums a float32 buffer larger than any cache (``stream_mib``): bandwidth is
+    bytes whatever their dtype, and a bf16 sum on such a CPU would time conversions, not memory.
     """
-    a = torch.randn(gemm_size, gemm_size).to(dtype)
-    b = torch.randn(gemm_size, gemm_size).to(dtype)
-    buffer = torch.ones(stream_mib * (1 << 20) // torch.finfo(dtype).bits * 8, dtype=dtype)
-    a @ b
+    size, gemm = 256, 0.0
+    while True:
+        a = torch.randn(size, size).to(dtype)
+        b = torch.randn(size, size).to(dtype)
+        warm_up = _timed(lambda: a @ b, clock)
+        gemm = min(_timed(lambda: a @ b, clock) for _ in range(repeats))
+        if size * 2 > gemm_size or min(warm_up, gemm) * 8 > max_gemm_s:  # the next size costs 8x
+            break
+        size *= 2
+    buffer = torch.ones(stream_mib * (1 << 20) // 4, dtype=torch.float32)
     buffer.sum()
-    gemm = min(_timed(lambda: a @ b, clock) for _ in range(repeats))
     read = min(_timed(buffer.sum, clock) for _ in range(repeats))
-    return MachineRates(2 * gemm_size ** 3 / gemm, buffer.numel() * buffer.element_size() / read)
+    return MachineRates(2 * size ** 3 / gemm, buffer.numel() * buffer.element_size() / read)
 
 
 def _timed(fn, clock) -> float:
