@@ -92,8 +92,8 @@ def run(args: argparse.Namespace) -> int:
     setup = build_engine(args.model, kv_blocks=args.kv_blocks, ssm_slots=args.ssm_slots,
                          levers=base_levers, seed=args.seed, prefix_cache=args.prefix_cache,
                          threads=args.threads, fault=fault, dtype=args.dtype)
-    _measure_roofline(setup)
     feed = WorkloadFeed.from_args(args, setup)
+    _measure_roofline(setup)  # after the workload is known good: a bad one fails at once
     writer, telemetry_error = None, None
     if not args.no_telemetry:
         writer, telemetry_error = _open_telemetry(db_path, setup, args, feed)
