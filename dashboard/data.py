@@ -109,6 +109,11 @@ def run_metrics(db: str, run_id: int, version: Version) -> dict:
 
 
 @st.cache_data(max_entries=_ENTRIES, show_spinner=False)
+def roofline_by_path(db: str, run_id: int, version: Version) -> pd.DataFrame:
+    return queries_runs.roofline_by_path(Path(db), run_id)
+
+
+@st.cache_data(max_entries=_ENTRIES, show_spinner=False)
 def prefix_view(db: str, run_id: int, version: Version):
     """(scope, hit ratio buckets, totals, miss reasons, snapshot event counts) over the newest requests."""
     path = Path(db)

@@ -67,6 +67,7 @@ def _forwards(db: Path, run_id: int, start_ns: int, num_forwards: int, end_ns: i
         frame = query_df(db, """
             SELECT t.tick, t.t_ns / 1e6 AS start_ms, t.duration_ns / 1e6 AS dur_ms, t.path,
                    t.num_prefill_tokens, t.num_decode_tokens,
+                   t.roofline_ns * 1.0 / NULLIF(t.duration_ns, 0) AS roofline_share,
                    c.request_id, c.chunk_len, c.decode_width, c.cap_rule, c.mix_blocker
             FROM ticks t LEFT JOIN (
                 SELECT tick, MIN(request_id) AS request_id, SUM(length) AS chunk_len,
@@ -80,7 +81,9 @@ def _forwards(db: Path, run_id: int, start_ns: int, num_forwards: int, end_ns: i
     frame = query_df(db, """
         SELECT (t_ns - ?) / ? AS bucket, path, MIN(t_ns) / 1e6 AS start_ms,
                MAX(t_ns + duration_ns) / 1e6 AS end_ms, COUNT(*) AS num_ticks,
-               SUM(num_prefill_tokens + num_decode_tokens) AS num_tokens
+               SUM(num_prefill_tokens + num_decode_tokens) AS num_tokens,
+               SUM(roofline_ns) * 1.0 / NULLIF(SUM(CASE WHEN roofline_ns IS NOT NULL THEN duration_ns END), 0)
+                   AS roofline_share
         FROM ticks WHERE run_id = ? AND t_ns >= ? AND path != 'idle'
         GROUP BY bucket, path ORDER BY bucket""", [start_ns, bucket_ns, run_id, start_ns])
     return frame, True

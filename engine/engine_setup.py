@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from engine.kv_cache_args import budget_bytes, kv_quant_config
+from engine.model.cpu_features import cpu_flags, isa_summary, resolve_dtype
 from engine.model.fault import ForwardFault
 from engine.model.loader import load_model
 from engine.model.runner import ModelRunner
@@ -53,12 +54,16 @@ def checkpoint_dir_of(name_or_dir: str) -> Path:
 
 
 def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: LeverValues,
-                 seed: int = 0, device: str | None = None, dtype: torch.dtype = torch.float32,
+                 seed: int = 0, device: str | None = None, dtype: torch.dtype | str = torch.float32,
                  emit=None, prefix_cache: bool = True, threads: int | None = None,
                  fault: ForwardFault | None = None, kv_cache: dict[str, Any] | None = None) -> EngineSetup:
     """``fault``: the test-only forward fault hook (``engine/model/fault.py``), recorded in the config.
-    ``kv_cache``: ``kv_cache_options`` (format, byte budget, InnerQ windows), recorded in the config."""
+    ``kv_cache``: ``kv_cache_options`` (format, byte budget, InnerQ windows), recorded in the config.
+    ``dtype``: a torch dtype, or a ``--dtype`` choice ('auto' picks by the CPU's flags, cpu_features.py).
+    """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype_choice = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    dtype = getattr(torch, resolve_dtype(dtype_choice, device=device))
     # Tiny ops gain nothing from a thread team, and on a shared, busy machine its
     # spin-waits cost 10x: the tiny model runs single-threaded unless told otherwise.
     threads = threads or (1 if model_name == "tiny" else None)
@@ -77,6 +82,7 @@ def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: Lev
         scheduler.detokenize = tokenizer.decode
     engine_config = {"kv_blocks": kv_blocks, "block_size": BLOCK_SIZE, "ssm_slots": ssm_slots,
                      "device": device, "dtype": str(dtype).removeprefix("torch."), "seed": seed,
+                     "dtype_choice": dtype_choice, "cpu_isa": isa_summary(cpu_flags()),
                      "prefix_cache": prefix_cache, "threads": torch.get_num_threads(),
                      **{k: v for k, v in kv_cache.items() if v is not None},
                      "kv_cache_blocks": runner.block_manager.num_blocks, "kv_cache_bytes": runner.kv_bytes_total}

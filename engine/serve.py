@@ -21,9 +21,11 @@ from engine.api.launch import add_arguments as add_api_arguments, start_api
 from engine.engine_setup import EngineSetup, build_engine, run_started_row
 from engine.kv_cache_args import add_kv_cache_args, kv_cache_options
 from engine.lever_watch import LeverWatcher
+from engine.model.cpu_features import DTYPE_CHOICES
+from engine.model.fault import ENV_VAR as FAULT_ENV_VAR, ForwardFault
+from engine.model.roofline import measure_rates
 from engine.run_dir_lock import lock_run_dir
 from engine.stall_watch import STALL_WAIT_S, StallWatch
-from engine.model.fault import ENV_VAR as FAULT_ENV_VAR, ForwardFault
 from engine.workload.request import RequestSpec
 from engine.workload_feed import WorkloadFeed
 from telemetry.levers import defaults, from_env
@@ -35,9 +37,12 @@ from telemetry.cli_args import bounded_float, bounded_int
 
 log = logging.getLogger("chunkscope.serve")
 IDLE_SLEEP_S = 0.02
-DONE_KEPT = 1024
+# The bandwidth probe's buffer: larger than a server CPU's last-level cache, small enough to be
+# quick (~0.1 s) at start.
+ROOFLINE_STREAM_MIB = 128
+DONE_KEPT = 1024  # ended requests held in memory by an endless server (their rows are in SQLite)
 MAX_KV_BLOCKS = 1 << 22   # 64M tokens of 16: beyond it the cache cannot be allocated anyway
-MAX_SSM_SLOTS = 4096  # ended requests held in memory by an endless server (their rows are in SQLite)
+MAX_SSM_SLOTS = 4096
 
 
 def add_parser(subparsers) -> None:
@@ -65,6 +70,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--start", type=cli_args.non_negative_int, default=0, help="trace: first row to replay")
     p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse cached prompt prefixes (KV blocks + SSM snapshots); default on")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                   help="auto: bfloat16 where the CPU has AMX or AVX512-BF16, else float32 (recorded in the run row)")
     p.add_argument("--no-telemetry", action="store_true", help="run without writing telemetry (benchmarks)")
     add_kv_cache_args(p)
     add_api_arguments(p)
@@ -88,8 +95,9 @@ def run(args: argparse.Namespace) -> int:
         log.warning("test fault hook %s armed: forwards carrying %s will raise", FAULT_ENV_VAR, fault.describe())
     setup = build_engine(args.model, kv_blocks=args.kv_blocks, ssm_slots=args.ssm_slots,
                          levers=base_levers, seed=args.seed, prefix_cache=args.prefix_cache,
-                         threads=args.threads, fault=fault, kv_cache=kv_cache_options(args))
+                         threads=args.threads, fault=fault, kv_cache=kv_cache_options(args), dtype=args.dtype)
     feed = WorkloadFeed.from_args(args, setup)
+    _measure_roofline(setup)  # after the workload is known good: a bad one fails at once
     writer, telemetry_error = None, None
     api = start_api(args, setup, lambda: writer.num_dropped if writer is not None else 0)
     if api is not None:
@@ -158,6 +166,17 @@ def run(args: argparse.Namespace) -> int:
         if lock is not None:
             lock.close()
     return 0
+
+
+def _measure_roofline(setup: EngineSetup) -> None:
+    """Time this machine's GEMM rate and read bandwidth once, so every tick records its roofline."""
+    started = time.perf_counter()
+    rates = measure_rates(setup.runner.dtype, stream_mib=ROOFLINE_STREAM_MIB)
+    setup.scheduler.machine_rates = rates
+    setup.engine_config["roofline_rates"] = {"gemm_gflop_s": round(rates.flops_per_s / 1e9, 2),
+                                             "read_gb_s": round(rates.bytes_per_s / 1e9, 2)}
+    log.info("roofline rates: square GEMM %.1f GFLOP/s, read %.1f GB/s (measured in %.2f s)",
+             rates.flops_per_s / 1e9, rates.bytes_per_s / 1e9, time.perf_counter() - started)
 
 
 def _open_telemetry(db_path: Path, setup: EngineSetup, args, feed) -> tuple[TelemetryWriter | None, str | None]:

@@ -127,6 +127,10 @@ class Tick(Event):
     kv_bytes_total: int | None = None   # the KV byte budget
     kv_tokens_used: int | None = None   # token slots of the blocks in use (blocks x block size)
     kv_tokens_total: int | None = None  # token slots in use + what the free bytes hold as new blocks
+    # The least time this machine could take for the tick's forwards (max of FLOPs at the GEMM
+    # rate and bytes at the read bandwidth, engine/model/roofline.py); roofline_ns / duration_ns
+    # is the share of the machine the tick reached. None when the engine measured no rates.
+    roofline_ns: int | None = None
 
 
 @dataclass

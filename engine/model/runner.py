@@ -13,6 +13,7 @@ from engine.model.batch import ForwardBatch, build_batch
 from engine.model.fault import KIND_DECODE, KIND_MIXED, KIND_PREFILL, ForwardFault
 from engine.model.gdn import SSMCapture
 from engine.model.qwen3_5 import Qwen35ForCausalLM
+from engine.model.roofline import ForwardCost, forward_cost
 from engine.sequence import SequenceState
 
 
@@ -60,6 +61,8 @@ class ModelRunner:
         # The SSM state a forward captured inside its prefill chunk (``capture_at``), else None.
         self.last_capture: SSMSnapshot | None = None
         self.fault = fault
+        # FLOPs and bytes of the forwards run since the last ``take_forward_cost`` (the tick's roofline).
+        self._forward_cost = ForwardCost(0.0, 0.0)
 
     # ---- properties the scheduler reads ----------------------------------------------
     @property
@@ -172,6 +175,8 @@ class ModelRunner:
         if prefill_seq is not None and is_last:
             rows.insert(0, len(chunk) - 1)
         logits = self._call_model(batch, rows, grown, prefill_seq, decode_seqs)  # [R, V]
+        self.note_forward(len(chunk), prefill_seq.num_cached_tokens if prefill_seq is not None else 0,
+                          [seq.num_cached_tokens + 1 for seq in decode_seqs], len(rows))
 
         if capture is not None:
             self.last_capture = self._capture_snapshot(capture, prefill_seq)
@@ -183,6 +188,18 @@ class ModelRunner:
             self.innerq.after_forward(moved)  # blocks that left the windows become 4/8-bit
         prefill_logits = logits[0] if prefill_seq is not None and is_last else None
         return prefill_logits, logits[len(rows) - len(decode_seqs):]
+
+    # ---- roofline accounting ----------------------------------------------------------------
+    def note_forward(self, prefill_tokens: int, prefill_start: int, decode_contexts: list[int],
+                     logits_rows: int) -> None:
+        """Add one forward's FLOPs and bytes (``roofline.forward_cost``) to the running total."""
+        self._forward_cost = self._forward_cost + forward_cost(
+            self.config, self.dtype.itemsize, prefill_tokens, prefill_start, decode_contexts, logits_rows)
+
+    def take_forward_cost(self) -> ForwardCost:
+        """The cost of the forwards since the last call, and start a new total."""
+        cost, self._forward_cost = self._forward_cost, ForwardCost(0.0, 0.0)
+        return cost
 
     # ---- helpers ----------------------------------------------------------------------------
     def _call_model(self, batch: ForwardBatch, rows: list[int], grown: list[tuple[SequenceState, int]],

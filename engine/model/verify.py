@@ -37,6 +37,7 @@ def _forward_segment(runner: ModelRunner, seq: SequenceState, tokens: list[int],
     batch = build_batch((tokens, seq.num_cached_tokens, seq.block_table, seq.ssm_slot), [],
                         runner.kv_block_size, runner.device)
     logits = runner.model(batch, runner.kv_store, runner.ssm_pool, logits_rows)  # [R, V]
+    runner.note_forward(len(tokens), seq.num_cached_tokens, [], int(logits.shape[0]))
     seq.num_cached_tokens += len(tokens)
     return logits
 

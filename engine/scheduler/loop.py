@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.cache.ssm_pool import SSMPoolExhausted
+from engine.model.roofline import MachineRates
 from engine.model.runner import ModelRunner
 from engine.request_features import RequestFeatures
 from engine.scheduler import decode_step, prefill_step, prefix_step
@@ -49,6 +50,9 @@ class Scheduler:
         self.num_done = 0
         self.last_path = ev.PATH_IDLE
         self.num_preemptions = 0
+        # This machine's GEMM rate and read bandwidth (roofline.measure_rates), set by ``serve``:
+        # with them each tick records its forwards' roofline time; None records none.
+        self.machine_rates: MachineRates | None = None
         model = runner.model
         self.eos_ids: set[int] = {model.eos_token_id} if model.eos_token_id is not None else set()
         self.structure_tokens = StructureTokens(model.code_fence_id, model.tool_call_start_id,
@@ -209,6 +213,7 @@ class Scheduler:
         if self.prefilling is None and not self.active:
             return False
         start = self.now_ns()
+        self.runner.take_forward_cost()  # forwards outside a tick (a draft warm-up) are not this tick's
         if self.prefilling is not None and not decodes_owed:
             path, num_prefill, num_decode = prefill_step.run(self)
         else:
@@ -216,13 +221,17 @@ class Scheduler:
         num_finished = self._retire()
         end = self.now_ns()
         bm, pool = self.runner.block_manager, self.runner.ssm_pool
+        cost = self.runner.take_forward_cost()
+        roofline_ns = None
+        if self.machine_rates is not None and (cost.flops or cost.bytes):
+            roofline_ns = int(self.machine_rates.seconds(cost) * 1e9)
         self.emit(ev.Tick(
             tick=self.tick, t_ns=start, path=path, duration_ns=end - start,
             num_prefill_tokens=num_prefill, num_decode_tokens=num_decode,
             num_active=len(self.active), num_waiting=len(self.waiting),
             num_prefilling=int(self.prefilling is not None), kv_blocks_used=bm.num_used,
             kv_blocks_total=bm.num_usable, ssm_slots_used=pool.num_used,
-            ssm_slots_total=pool.num_slots, num_finished=num_finished,
+            ssm_slots_total=pool.num_slots, num_finished=num_finished, roofline_ns=roofline_ns,
             kv_bytes_used=self.runner.kv_bytes_used, kv_bytes_total=self.runner.kv_bytes_total,
             kv_tokens_used=bm.num_used * bm.block_size, kv_tokens_total=(bm.num_used + bm.num_free) * bm.block_size))
         self.last_path = path
