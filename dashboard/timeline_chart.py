@@ -1,6 +1,6 @@
 """The Live page's stream-lane timeline: a pure DataFrame -> Figure builder.
 
-Lanes, top to bottom: ``events`` (preemption and lever-change markers),
+Lanes, top to bottom: ``events`` (preemption, lever-change and KV quantization state markers),
 ``scheduler`` (one bar per forward, coloured by path), then one lane per
 stream (``default``, ``prefill``, ``secondary``) with record / wait / sync
 markers, GPU-timed intervals and record -> wait links.
@@ -142,6 +142,21 @@ def _marker_traces(preemptions: pd.DataFrame, lever_changes: pd.DataFrame) -> li
     return traces
 
 
+def _kv_quant_traces(changes: pd.DataFrame | None) -> list[go.Scatter]:
+    """InnerQ calibration state changes (calibrating -> ready -> applied) on the events lane."""
+    if changes is None or not len(changes):
+        return []
+    text = [f"KV cache {r.old} → {r.new} at tick {r.tick}"
+            + (f" ({int(r.tokens_seen)} prefill tokens calibrated)" if pd.notna(r.tokens_seen) else "")
+            for r in changes.itertuples()]
+    return [go.Scatter(
+        name="KV quant state", x=changes["t_ms"].to_numpy(dtype=float),
+        y=np.full(len(changes), LANE_Y["events"]), mode="markers+text", text=changes["new"].astype(str).tolist(),
+        textposition="top center", hovertext=text, hovertemplate="%{hovertext}<extra></extra>",
+        marker={"symbol": "star", "size": 13, "color": "#9467bd"},
+    )]
+
+
 def timeline_figure(
     forwards: pd.DataFrame,
     stream_events: pd.DataFrame,
@@ -150,6 +165,7 @@ def timeline_figure(
     lever_changes: pd.DataFrame,
     x_range: tuple[float, float] | None = None,
     stream_events_cap: int | None = None,
+    kv_quant_changes: pd.DataFrame | None = None,
 ) -> go.Figure:
     """Build the lane timeline.
 
@@ -171,6 +187,7 @@ def timeline_figure(
     else:
         traces = _forward_bars(forwards)
     traces += _stream_traces(stream_events, links) + _marker_traces(preemptions, lever_changes)
+    traces += _kv_quant_traces(kv_quant_changes)
     fig = go.Figure(traces)
     # Drawn in its own frame (live_timeline.py), outside Streamlit's chart theme: an explicit
     # template (Streamlit's default one holds placeholder colours its own chart swaps) and

@@ -7,6 +7,7 @@ import sys
 
 import torch
 
+from engine.kv_cache_args import add_kv_cache_args, budget_bytes, kv_cache_options, kv_quant_config
 from engine.model.loader import load_model
 from engine.model.runner import ModelRunner
 from engine.scheduler.sampling import SamplingParams, make_generator, sample_next
@@ -23,8 +24,11 @@ def parse_ids(text: str) -> list[int]:
         raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
 
 
-def generate(model, tokenizer, prompt: list[int], params: SamplingParams, stop_at_eos: bool = True) -> dict:
-    """Greedy or sampled continuation of ``prompt``; returns {"tokens": [...], "text": str | None}."""
+def generate(model, tokenizer, prompt: list[int], params: SamplingParams, stop_at_eos: bool = True,
+             kv_cache: dict | None = None) -> dict:
+    """Greedy or sampled continuation of ``prompt``; returns {"tokens": [...], "text": str | None}, plus
+    "kv_cache_dtype" and "kv_quant_state" with InnerQ. ``kv_cache``: ``kv_cache_options`` (default auto)."""
+    kv_cache = kv_cache or {"kv_cache_dtype": "auto"}
     vocab = model.config.vocab_size
     if not prompt:
         raise ValueError("prompt is empty: give --prompt-ids or a non-empty --prompt")
@@ -42,7 +46,7 @@ def generate(model, tokenizer, prompt: list[int], params: SamplingParams, stop_a
                          f"tokens, more than the model's context of {max_context}")
     weight = next(model.parameters())   # the caches hold what the weights compute in (bfloat16 too)
     runner = ModelRunner(model, num_kv_blocks=-(-total // 16) + 1, num_ssm_slots=1, device=weight.device,
-                         dtype=weight.dtype)
+                         dtype=weight.dtype, kv_quant=kv_quant_config(kv_cache), kv_budget_bytes=budget_bytes(kv_cache))
     seq = SequenceState(request_id=0)
     runner.admit(seq)
     eos_ids = {model.eos_token_id} if model.eos_token_id is not None else set()
@@ -50,6 +54,7 @@ def generate(model, tokenizer, prompt: list[int], params: SamplingParams, stop_a
     logits = None
     for offset in range(0, len(prompt), PREFILL_CHUNK):
         length = min(PREFILL_CHUNK, len(prompt) - offset)
+        runner.poll_kv_quant()  # as the scheduler: InnerQ's calibration moves on before each chunk
         logits = runner.prefill_chunk(seq, prompt, offset, length, offset + length == len(prompt))
     tokens: list[int] = []
     while True:
@@ -61,7 +66,10 @@ def generate(model, tokenizer, prompt: list[int], params: SamplingParams, stop_a
         logits = runner.decode([seq], [token])[0]
     runner.release(seq)
     text = tokenizer.decode([t for t in tokens if t not in eos_ids]) if tokenizer is not None else None
-    return {"tokens": tokens, "text": text}
+    result = {"tokens": tokens, "text": text}
+    if runner.innerq is not None:  # the full-precision contract stays {"tokens", "text"}
+        result.update(kv_cache_dtype=kv_cache["kv_cache_dtype"], kv_quant_state=runner.kv_quant_state)
+    return result
 
 
 def add_parser(subparsers) -> None:
@@ -78,12 +86,14 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--json", action="store_true", help='print {"tokens": [...], "text": ...}')
+    add_kv_cache_args(parser)
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     if (args.prompt_ids is None) == (args.prompt is None):
         raise ValueError("give exactly one of --prompt-ids and --prompt")
+    kv_cache = kv_cache_options(args)
     torch.set_grad_enabled(False)
     model, _, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
     if args.prompt is not None:
@@ -94,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
         prompt = parse_ids(args.prompt_ids)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             min_p=args.min_p, max_tokens=args.max_tokens, seed=args.seed)
-    result = generate(model, tokenizer, prompt, params, stop_at_eos=not args.ignore_eos)
+    result = generate(model, tokenizer, prompt, params, stop_at_eos=not args.ignore_eos,
+                      kv_cache=kv_cache)
     if args.json:
         print(json.dumps(result))
     else:

@@ -33,11 +33,17 @@ def test_real_live_counters_timeline_markers(real_app, real_run_dir):
     at = real_app()
     at.select_slider(key="live_window_s").set_value(300).run()
     last = rr.rows("SELECT tick, num_waiting, num_active, kv_blocks_used, kv_blocks_total, ssm_slots_used, "
-                   "ssm_slots_total FROM ticks ORDER BY tick DESC LIMIT 1")[0]
+                   "ssm_slots_total, kv_tokens_used, kv_tokens_total, kv_bytes_used, kv_bytes_total "
+                   "FROM ticks ORDER BY tick DESC LIMIT 1")[0]
     metrics = {m.label: m.value for m in at.metric}
     assert metrics["tick"] == str(last[0])
     assert metrics["waiting"] == str(last[1]) and metrics["active (decoding)"] == str(last[2])
-    assert metrics["KV blocks"] == f"{last[3]} / {last[4]}" and last[4] == 24
+    # full precision: token slots and bytes go with blocks
+    assert last[4] == 24 and last[7] == 16 * last[3] and last[8] == 16 * last[4]
+    assert last[9] * last[4] == last[10] * last[3]
+    assert metrics["KV blocks"] == f"{last[3]} / {last[4]}"
+    assert metrics["KV tokens"] == f"{last[7]:,} / {last[8]:,}"
+    assert metrics["KV MiB"] == f"{last[9] / 2 ** 20:.1f} / {last[10] / 2 ** 20:.1f}"
     assert metrics["SSM slots"] == f"{last[5]} / {last[6]}"
 
     spec = chart_with(at, uirevision=TIMELINE_UIREVISION)
