@@ -118,6 +118,8 @@ class Tick(Event):
     ssm_slots_used: int = 0
     ssm_slots_total: int = 0
     num_finished: int = 0               # requests that finished this tick
+    num_constrained_rows: int = 0       # sampled rows a grammar mask constrained this tick
+    grammar_mask_ns: int = 0            # time spent filling and applying grammar masks this tick
 
 
 @dataclass
@@ -161,6 +163,7 @@ class Preemption(Event):
     policy: str = "most_blocks"
     prefill_request_id: int | None = None
     num_remaining: int = 0
+    num_grammar_skipped: int = 0        # grammar holders passed over (never victims)
 
 
 @dataclass
@@ -185,6 +188,10 @@ class RequestRecord(Event):
     prompt_tokens: list[int] = field(default_factory=list)
     output_tokens: list[int] = field(default_factory=list)
     conversation_id: int | None = None
+    grammar: dict[str, Any] | None = None   # {"kind", "value"[, "after_think"]}: what the output obeys
+    grammar_kind: str | None = None         # json_object / json_schema / regex / choice / lark
+    grammar_ready_tick: int | None = None   # tick its compile was seen done (a replay waits for it)
+    grammar_valid: bool | None = None       # the ended output is a complete sentence of its grammar
 
 
 @dataclass

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.cache.kv import KVCacheExhausted
-from engine.scheduler import forward_failure, outputs, spec_step
+from engine.scheduler import forward_failure, grammar_step, outputs, spec_step
 from engine.scheduler.adaptive import params_for_row
 from engine.scheduler.mixing import decode_order
 from engine.scheduler.preempt import VictimCandidate, choose_victim as pick_victim
@@ -78,6 +78,7 @@ def process_logits(sched: Scheduler, batch: list[Request], logits: torch.Tensor)
     if not batch:
         return
     levers = sched.levers
+    logits = grammar_step.constrain(sched, batch, logits)                  # [B, V]
     params = [params_for_row(a.params, a.region, levers.adaptive_sampling) for a in batch]
     tokens = sample_next(
         logits, params, [a.generator for a in batch],
@@ -100,6 +101,7 @@ def choose_victim(sched: Scheduler) -> Request | None:
 
 def preempt(sched: Scheduler, victim: Request, *, prefill_request: Request | None) -> None:
     """End ``victim`` with the preemption error, free its blocks and slot, log it."""
+    num_grammar_skipped = sum(1 for a in sched.active if a.has_grammar)
     sched.active.remove(victim)
     blocks_before = sched.runner.block_manager.num_free
     reason = PREEMPT_FOR_PREFILL if prefill_request is not None else PREEMPT_FOR_DECODE
@@ -111,4 +113,4 @@ def preempt(sched: Scheduler, victim: Request, *, prefill_request: Request | Non
         blocks_freed=sched.runner.block_manager.num_free - blocks_before, reason=reason,
         policy=sched.levers.preempt_policy,
         prefill_request_id=prefill_request.request_id if prefill_request else None,
-        num_remaining=len(sched.active)))
+        num_remaining=len(sched.active), num_grammar_skipped=num_grammar_skipped))

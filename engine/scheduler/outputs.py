@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from engine.scheduler import grammar_step
 from engine.scheduler.adaptive import advance
 from engine.scheduler.request import Request
 from telemetry import events as ev
@@ -27,7 +28,13 @@ def append_token(sched: Scheduler, request: Request, token: int) -> None:
     if index == 0:
         request.first_token_ns = t_ns
         sched.emit_request(request, "first_token")
+    grammar_reason, grammar_error = grammar_step.after_token(request, token)
+    if grammar_error is not None:
+        sched.finish(request, "error", grammar_error)
+        return
     reason = finish_reason(request, token, sched.eos_ids, sched.max_context)
+    if grammar_reason is not None and reason != "eos":
+        reason = grammar_reason   # complete: "stop" even on the last allowed token (not "length")
     if reason is not None:
         sched.finish(request, reason)
 
