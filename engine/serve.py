@@ -39,6 +39,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--workload", default="synthetic",
                    help="synthetic | multiturn | trace:PATH | bundle:PATH (default synthetic)")
     p.add_argument("--rate", type=float, default=4.0, help="arrival rate, requests/s (synthetic, multiturn)")
+    p.add_argument("--grammar-share", type=float, default=0.0,
+                   help="synthetic: share of requests constrained by a built-in JSON schema / regex / choice")
     p.add_argument("--requests", type=int, default=None, help="stop after this many requests (default: endless)")
     p.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
     p.add_argument("--kv-blocks", type=int, default=512, help="physical KV blocks (16 tokens each)")
@@ -154,7 +156,7 @@ def _status_fields(sched, writer, telemetry_error: str | None, state: str) -> di
 
 def _submit(sched, spec: RequestSpec) -> None:
     request = sched.submit(spec.request_id, spec.prompt_tokens, spec.sampling,
-                           conversation_id=spec.conversation_id)
+                           conversation_id=spec.conversation_id, grammar=spec.grammar)
     if request.status == ev.REQ_REJECTED:
         log.warning("request %d rejected: %s", spec.request_id, request.error)
 

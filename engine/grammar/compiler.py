@@ -129,11 +129,12 @@ class GrammarCompiler:
         text = grammar_text(spec)
         matcher = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
         if matcher.is_error():
-            raise GrammarCompileError(f"{spec.kind} grammar does not compile: {_first_lines(matcher.get_error())}")
+            raise GrammarCompileError(f"{spec.kind} grammar does not compile: {_one_line(matcher.get_error())}")
         self.num_compiled += 1
         return CompiledGrammar(spec, matcher, time.monotonic_ns() - start)
 
 
-def _first_lines(message: str, num: int = 3) -> str:
-    lines = [line.rstrip() for line in message.strip().splitlines() if line.strip()]
-    return " | ".join(lines[:num])
+def _one_line(message: str, limit: int = 500) -> str:
+    """llguidance's multi-line message as one line (what an HTTP 400 or a log line can carry)."""
+    text = " | ".join(line.strip() for line in message.strip().splitlines() if line.strip() not in ("", "^"))
+    return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -33,8 +33,10 @@ def append_token(sched: Scheduler, request: Request, token: int) -> None:
         sched.finish(request, "error", grammar_error)
         return
     reason = finish_reason(request, token, sched.eos_ids, sched.max_context)
-    if grammar_reason is not None and reason != "eos":
-        reason = grammar_reason   # complete: "stop" even on the last allowed token (not "length")
+    if grammar_reason is not None:
+        # Complete (the last allowed token, or EOS where the grammar accepts): "stop", never
+        # "length"; a grammar reply that ends any other way is incomplete.
+        reason = grammar_reason
     if reason is not None:
         sched.finish(request, reason)
 
