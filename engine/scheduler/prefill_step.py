@@ -217,8 +217,7 @@ def _first_token(sched: Scheduler, req: Request, logits: torch.Tensor, row: ev.C
         min_p = effective_min_p(req.params, sched.levers.speculation, sched.levers.no_mtp_minp)
         params = params_for_row(req.params, req.region, sched.levers.adaptive_sampling)
         allowed = grammar_step.first_token_allowed(sched, req) if policy.grammar_applies else None
-        token = sample_first_token(logits, params, req.generator, policy, sched.eos_ids, min_p,
-                                   grammar_allowed_ids=allowed)
+        token = sample_first_token(logits, params, req.generator, policy, sched.eos_ids, min_p, allowed)
     except Exception as exc:
         row.outcome = ev.OUTCOME_FAILED_FIRST_TOKEN
         forward_failure.end_requests(sched, [req], exc, stage=forward_failure.STAGE_FIRST_TOKEN, path=row.path)

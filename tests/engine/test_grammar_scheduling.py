@@ -9,6 +9,7 @@ import time
 import pytest
 
 from engine.scheduler.preempt import PREEMPT_POLICIES
+from engine.scheduler.room import rows_that_wait
 from telemetry import events as ev
 from telemetry.levers import defaults
 
@@ -124,3 +125,29 @@ def test_ngram_speculation_equals_off_under_a_grammar(sampling):
     assert ngram == off
     assert sum(s.detail["num_accepted"] for s in steps) > 0, "no draft was ever accepted"
     assert any(s.detail["rolled_back"] for s in steps), "verification never rejected a draft"
+
+
+def test_room_gives_free_blocks_to_the_oldest_rows_first():
+    assert rows_that_wait([1, 0, 1, 1], [5, 1, 2, 3], num_free=1) == [0, 3]
+    assert rows_that_wait([1, 1], [0, 0], num_free=2) == []
+    assert rows_that_wait([0, 0], [0, 0], num_free=0) == []
+    with pytest.raises(ValueError):
+        rows_that_wait([1], [0, 1], num_free=0)
+
+
+def test_holders_that_cannot_all_grow_wait_instead_of_failing_the_batch():
+    """Three holders whose answers need 15 blocks in a 10-block cache: rows wait for blocks, the
+    engine never raises, and only a true deadlock ends one holder (with an error, never a preemption)."""
+    rows: list = []
+    sched = make_scheduler(kv_blocks=10, ssm_slots=4, rows=rows)
+    rng = random.Random(5)
+    grammar = {"kind": "regex", "value": "[a-z]{40}"}
+    done = run_arrivals(sched, {0: [(i, prompt(rng, 30, 30), {"max_tokens": 48}, grammar) for i in range(3)]})
+    waits = [r for r in rows if isinstance(r, ev.GenericEvent) and r.kind == "decode_rows_wait"]
+    assert waits, "no row ever had to wait: the test proves nothing"
+    assert not [r for r in rows if isinstance(r, ev.Preemption)]
+    finished = [r for r in done.values() if r.status == ev.REQ_FINISHED]
+    assert finished and all(re.fullmatch("[a-z]{40}", text_of(r)) and r.finish_reason == "stop" for r in finished)
+    for request in done.values():
+        if request.status != ev.REQ_FINISHED:
+            assert request.status == ev.REQ_ERROR and "every sequence left holds a grammar" in request.error
