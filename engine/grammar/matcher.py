@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine.grammar.spec import GrammarSpec
@@ -37,15 +38,15 @@ class GrammarState:
         return (self.vocab_size + 31) // 32
 
     # ---- masks -----------------------------------------------------------------------
-    def fill_mask(self, row: torch.Tensor) -> bool:
-        """Write the allowed-token bitmask into ``row`` ([W] int32, contiguous, CPU).
+    def fill_mask(self, row: np.ndarray) -> bool:
+        """Write the allowed-token bitmask into ``row`` ([W] int32, C-contiguous).
 
         Returns False (and records ``failure``) when nothing is allowed: the matcher is in an
         error state, which the mask should have made impossible; the caller leaves the row free
         and ``advance`` then ends the request with the error.
         """
-        self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
-        if self.matcher.is_error() or not bool(row.any()):
+        self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        if self.matcher.is_error() or not row.any():
             self.failure = self.matcher.get_error() or "the grammar allows no token here"
             return False
         return True
@@ -54,10 +55,10 @@ class GrammarState:
         """[V] bool of the tokens allowed next, or None when the grammar does not constrain yet."""
         if not self.is_active:
             return None
-        row = torch.zeros(self.num_mask_words, dtype=torch.int32)
-        if not self.fill_mask(row):
+        row = np.zeros((1, self.num_mask_words), dtype=np.int32)
+        if not self.fill_mask(row[0]):
             return None
-        return unpack_bits(row.unsqueeze(0), self.vocab_size)[0]
+        return unpack_bits(row, self.vocab_size)[0]
 
     # ---- advancing -------------------------------------------------------------------
     def advance(self, token: int) -> bool:
@@ -106,8 +107,12 @@ class GrammarState:
         return self.is_active and self.matcher.is_accepting() and not self.matcher.is_error()
 
 
-def unpack_bits(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[R, W] int32 llguidance bitmask (bit j of word w = token 32w + j) -> [R, vocab_size] bool."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)           # [32]
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1                                    # [R, W, 32]
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()               # [R, V]
+def unpack_bits(bitmask: np.ndarray, vocab_size: int) -> torch.Tensor:
+    """[R, W] int32 llguidance bitmask (bit j of word w = token 32w + j) -> [R, vocab_size] bool.
+
+    One ``np.unpackbits`` (little-endian words, little bit order): a handful of torch ops on a
+    small vocabulary cost more than the mask itself.
+    """
+    bits = np.unpackbits(np.ascontiguousarray(bitmask, dtype="<i4").view(np.uint8), axis=1,
+                         bitorder="little")                                    # [R, W * 32] uint8
+    return torch.from_numpy(bits[:, :vocab_size]).bool()                       # [R, V]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -141,7 +142,7 @@ def test_rollback_restores_the_exact_masks(compiler, tokens, data):
 
 
 def test_unpack_bits_matches_token_order():
-    words = torch.tensor([[0b1011, -(1 << 31), 0]], dtype=torch.int32)    # tokens 0, 1, 3 and 63 (sign bit)
+    words = np.array([[0b1011, -(1 << 31), 0]], dtype=np.int32)           # tokens 0, 1, 3 and 63 (sign bit)
     assert torch.nonzero(unpack_bits(words, 80)[0]).flatten().tolist() == [0, 1, 3, 63]
 
 
