@@ -157,3 +157,31 @@ def test_constrain_masks_only_constrained_rows(compiler):
     assert torch.equal(out[1, finite], logits[1, finite])
     same, no_stats = masks.constrain(logits, [None, None, None])
     assert same is logits and no_stats.num_rows == 0
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+    "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "required": ["a", "b"], "additionalProperties": False}}}]
+
+
+def test_tool_call_grammar_takes_exactly_one_call_to_a_listed_tool(compiler):
+    from engine.grammar.tools import tool_call_spec
+    start, end = INNER.token_to_id("<tool_call>"), INNER.token_to_id("</tool_call>")
+    state = state_for(compiler, tool_call_spec(TOOLS, start_id=start, end_id=end).to_dict())
+    assert allowed_ids(state) == [start]
+    for token in [start, *b'\n{"name":"add","arguments":{"a":1,"b":-2}}\n', end]:
+        assert state.advance(token), state.failure
+    assert state.is_stopped and state.is_accepting
+    named = state_for(compiler, tool_call_spec(TOOLS, start_id=start, end_id=end, name="get_weather").to_dict())
+    assert named.num_valid_prefix([start, *b'\n{"name":"a']) == 1 + len(b'\n{"name":"')
+
+
+def test_tool_call_grammar_refuses_unknown_names_and_bad_tools():
+    from engine.grammar.tools import tool_call_spec
+    with pytest.raises(GrammarSpecError, match="not among the request's tools"):
+        tool_call_spec(TOOLS, start_id=1, end_id=2, name="nope")
+    with pytest.raises(GrammarSpecError, match="string name"):
+        tool_call_spec([{"type": "function", "function": {}}], start_id=1, end_id=2)

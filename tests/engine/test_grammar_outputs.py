@@ -151,3 +151,25 @@ def test_an_unsatisfiable_budget_ends_with_length_not_stop():
     run_to_end(sched)
     assert request.finish_reason == "length" and request.grammar_valid is False
     assert text_of(request) == "aaaaa"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_tool_call_arguments_follow_the_tools_schema(temperature):
+    from engine.grammar.tools import tool_call_spec
+    from grammar_helpers import tiny
+    model, _ = tiny()
+    tools = [{"type": "function", "function": {"name": "set_alarm", "parameters": {
+        "type": "object", "properties": {"hour": {"type": "integer", "minimum": 0, "maximum": 23},
+                                         "label": {"type": "string", "maxLength": 6}},
+        "required": ["hour", "label"], "additionalProperties": False}}}]
+    spec = tool_call_spec(tools, start_id=model.tool_call_start_id, end_id=model.tool_call_end_id)
+    sched = make_scheduler()
+    requests = submit_all(sched, [spec.to_dict()] * 6, temperature=temperature, max_tokens=96, seed=5)
+    run_to_end(sched)
+    for request in requests:
+        out = request.output_tokens
+        assert request.finish_reason == "stop" and out[0] == model.tool_call_start_id
+        assert out[-1] == model.tool_call_end_id
+        call = json.loads(text_of(request).removeprefix("<tool_call>").removesuffix("</tool_call>"))
+        assert call["name"] == "set_alarm"
+        jsonschema.validate(call["arguments"], tools[0]["function"]["parameters"])
