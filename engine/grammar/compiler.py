@@ -14,6 +14,7 @@ left free to emit whitespace between tokens can spend its whole budget on it.
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -124,7 +125,6 @@ class GrammarCompiler:
             del self._cache[key]
 
     def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
-        import time
         start = time.monotonic_ns()
         text = grammar_text(spec)
         matcher = llguidance.LLMatcher(self.tokenizer, text, log_level=0)

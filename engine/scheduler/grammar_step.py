@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -96,7 +97,6 @@ def first_token_allowed(sched: Scheduler, request: Request) -> list[int] | None:
     state = request.grammar
     if state is None or not state.is_active:
         return None
-    import time
     start = time.perf_counter_ns()
     mask = state.allowed_mask()
     sched.grammar_stats.mask_ns += time.perf_counter_ns() - start

@@ -14,6 +14,7 @@ from typing import Any
 from engine.cache.ssm_pool import SSMPoolExhausted
 from engine.model.runner import ModelRunner
 from engine.grammar.masks import MaskStats
+from engine.grammar.spec import GrammarSpec
 from engine.scheduler import decode_step, grammar_step, prefill_step, prefix_step
 from engine.scheduler.adaptive import StructureTokens, region_of
 from engine.scheduler.admission import RequestRejected, check_prompt, parse_sampling
@@ -297,7 +298,6 @@ class Scheduler:
             self.cancel(request.request_id, reason)
 
 
-def _recorded_spec(raw: dict):
+def _recorded_spec(raw: dict) -> GrammarSpec:
     """A rejected request's grammar as the client sent it, kept for its row (and a replay)."""
-    from engine.grammar.spec import GrammarSpec
     return GrammarSpec(str(raw.get("kind")), raw.get("value"), bool(raw.get("after_think", False)))
