@@ -15,6 +15,7 @@ from engine.model.loader import load_model
 from engine.model.runner import ModelRunner
 from engine.scheduler.sampling import SamplingParams, make_generator, sample_next
 from engine.sequence import SequenceState
+from telemetry import cli_args
 
 PREFILL_CHUNK = 512  # bounds peak activation memory on long prompts
 
@@ -45,7 +46,12 @@ def generate(model, tokenizer, prompt: list[int], params: SamplingParams, stop_a
         raise ValueError(f"--prompt-ids: {len(prompt)} tokens do not fit the model's context of {max_context}")
     params.validate(vocab)
     total = len(prompt) + params.max_tokens
-    runner = ModelRunner(model, num_kv_blocks=-(-total // 16) + 1, num_ssm_slots=1)
+    if total > max_context:
+        raise ValueError(f"--max-tokens {params.max_tokens}: with the {len(prompt)}-token prompt that is {total} "
+                         f"tokens, more than the model's context of {max_context}")
+    weight = next(model.parameters())   # the caches hold what the weights compute in (bfloat16 too)
+    runner = ModelRunner(model, num_kv_blocks=-(-total // 16) + 1, num_ssm_slots=1, device=weight.device,
+                         dtype=weight.dtype)
     seq = SequenceState(request_id=0)
     runner.admit(seq)
     eos_ids = {model.eos_token_id} if model.eos_token_id is not None else set()
@@ -114,11 +120,11 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--prompt-ids", type=str, default=None, help="comma-separated token ids, e.g. 1,2,3")
     parser.add_argument("--prompt", type=str, default=None, help="prompt text (needs the model's tokenizer)")
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--temperature", type=cli_args.finite_float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--top-p", type=cli_args.finite_float, default=1.0)
+    parser.add_argument("--min-p", type=cli_args.finite_float, default=0.0)
+    parser.add_argument("--seed", type=cli_args.seed, default=None)
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--json", action="store_true", help='print {"tokens": [...], "text": ...}')
