@@ -185,3 +185,21 @@ def test_tool_call_grammar_refuses_unknown_names_and_bad_tools():
         tool_call_spec(TOOLS, start_id=1, end_id=2, name="nope")
     with pytest.raises(GrammarSpecError, match="string name"):
         tool_call_spec([{"type": "function", "function": {}}], start_id=1, end_id=2)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=30))
+def test_the_mask_allows_exactly_the_tokens_the_matcher_takes(compiler, picks):
+    """At every step the mask's allowed set equals the tokens the matcher would consume."""
+    state = state_for(compiler, {"kind": "json_schema", "value": {
+        "type": "object", "properties": {"k": {"enum": ["ab", "ac"]}, "n": {"type": "integer", "maximum": 99}},
+        "required": ["k", "n"], "additionalProperties": False}})
+    for pick in picks:
+        allowed = set(allowed_ids(state))
+        # EOS is allowed exactly where the grammar accepts (llguidance's validate never counts EOS).
+        assert (EOS_ID in allowed) == state.is_accepting
+        assert allowed - {EOS_ID} == {t for t in range(VOCAB) if state.num_valid_prefix([t]) == 1}
+        if state.is_stopped:
+            break
+        ordered = sorted(allowed)
+        assert state.advance(ordered[pick % len(ordered)])
