@@ -70,6 +70,7 @@ def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: Lev
                          block_size=BLOCK_SIZE, device=device, dtype=dtype, fault=fault)
     scheduler = Scheduler(runner, levers, emit=emit, run_seed=seed, prefix_cache=prefix_cache)
     if tokenizer is not None:
+        scheduler.detokenize = tokenizer.decode
         from engine.grammar.compiler import GrammarCompiler
         scheduler.grammars = GrammarCompiler.for_model(model, tokenizer, runner.vocab_size)
     engine_config = {"kv_blocks": kv_blocks, "block_size": BLOCK_SIZE, "ssm_slots": ssm_slots,

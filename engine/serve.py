@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from engine.api.launch import add_arguments as add_api_arguments, start_api
 from engine.engine_setup import EngineSetup, build_engine, run_started_row
 from engine.lever_watch import LeverWatcher
 from engine.run_dir_lock import lock_run_dir
@@ -43,7 +44,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--model", default="tiny", help="'tiny' (embedded default) or a checkpoint directory")
     p.add_argument("--run-dir", required=True, help="directory for telemetry.db and levers.json")
     p.add_argument("--workload", default="synthetic",
-                   help="synthetic | multiturn | trace:PATH | bundle:PATH (default synthetic)")
+                   help="synthetic | multiturn | trace:PATH | bundle:PATH | none (API traffic only; default synthetic)")
     p.add_argument("--rate", type=bounded_float(0.0, 1e6, low_open=True), default=4.0,
                    help="arrival rate, requests/s (synthetic, multiturn)")
     p.add_argument("--grammar-share", type=bounded_float(0.0, 1.0), default=0.0,
@@ -66,6 +67,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse cached prompt prefixes (KV blocks + SSM snapshots); default on")
     p.add_argument("--no-telemetry", action="store_true", help="run without writing telemetry (benchmarks)")
+    add_api_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -89,9 +91,14 @@ def run(args: argparse.Namespace) -> int:
                          threads=args.threads, fault=fault)
     feed = WorkloadFeed.from_args(args, setup)
     writer, telemetry_error = None, None
+    api = start_api(args, setup, lambda: writer.num_dropped if writer is not None else 0)
+    if api is not None:
+        feed.describe_api(api.server.url)
     if not args.no_telemetry:
         writer, telemetry_error = _open_telemetry(db_path, setup, args, feed)
     sched = setup.scheduler
+    if api is not None:  # /metrics sees every event the writer sees
+        sched.attach_telemetry(api.metrics.tee(writer.emit if writer is not None else None))
     sched.keep_recent_done(DONE_KEPT)
     status_file = StatusReporter(run_dir)
     _log_env_levers(sched)
@@ -106,7 +113,11 @@ def run(args: argparse.Namespace) -> int:
             elapsed = time.monotonic() - t_start
             if args.duration is not None and elapsed >= args.duration:
                 break
+            if api is not None:
+                api.before_tick(sched)
             for spec in feed.due(elapsed):
+                if api is not None:
+                    spec.request_id = api.new_request_id()
                 _submit(sched, spec)
             _poll_levers(sched, watcher)
             _report_writer_health(sched, writer)
@@ -118,11 +129,18 @@ def run(args: argparse.Namespace) -> int:
                         status_file.maybe_write(_status_fields(sched, writer, telemetry_error, "serving", stall),
                                                 force=True)
                     # Nothing can run until a lever changes, a request arrives or a stop comes.
-                    watcher.wait_for_change(min(STALL_WAIT_S, max(0.0, feed.next_arrival_s() - elapsed)))
-            elif feed.is_exhausted:
+                    wait_s = min(STALL_WAIT_S, max(0.0, feed.next_arrival_s() - elapsed))
+                    if api is not None:   # an API request (or a cancel that frees room) may end the stall too
+                        api.bridge.wait(min(wait_s, IDLE_SLEEP_S))
+                    else:
+                        watcher.wait_for_change(wait_s)
+            elif feed.is_exhausted and api is None:
                 break
             else:
-                time.sleep(min(IDLE_SLEEP_S, max(0.0, feed.next_arrival_s() - elapsed)))
+                idle_s = min(IDLE_SLEEP_S, max(0.0, feed.next_arrival_s() - elapsed))
+                api.bridge.wait(idle_s) if api is not None else time.sleep(idle_s)
+            if api is not None:
+                api.after_tick(sched)
     except Exception:
         log.exception("engine loop failed")
         status = "error"
@@ -130,6 +148,9 @@ def run(args: argparse.Namespace) -> int:
     finally:
         watcher.stop()
         sched.stop()
+        if api is not None:
+            api.bridge.close(sched)
+            api.server.stop()
         if writer is not None:
             writer.close(status)
         status_file.maybe_write(_status_fields(sched, writer, telemetry_error, status, stall), force=True)
@@ -183,7 +204,7 @@ def _status_fields(sched, writer, telemetry_error: str | None, state: str, stall
 
 def _submit(sched, spec: RequestSpec) -> None:
     request = sched.submit(spec.request_id, spec.prompt_tokens, spec.sampling,
-                           conversation_id=spec.conversation_id, grammar=spec.grammar)
+                           conversation_id=spec.conversation_id, features=spec.features, grammar=spec.grammar)
     if request.status == ev.REQ_REJECTED:
         log.warning("request %d rejected: %s", spec.request_id, request.error)
 

@@ -79,7 +79,8 @@ def _write_workload(db_path: Path, dest: Path) -> int:
                     "arrival_s": arrival_ns / 1e9, "prompt_tokens": json.loads(r["prompt_tokens"] or "[]"),
                     "sampling": sampling, "seed": sampling.get("seed"),
                     "conversation_id": r["conversation_id"], "turn": None,
-                    # a store written before grammars has no such column
+                    # stores written before features / grammars have no such columns
+                    "features": json.loads(r["features"]) if "features" in r.keys() and r["features"] else None,
                     **({"grammar": json.loads(r["grammar"])} if "grammar" in r.keys() and r["grammar"] else {}),
                 }, separators=(",", ":")) + "\n")
                 num_rows += 1

@@ -141,6 +141,7 @@ class ChunkDecision(Event):
     duration_ns: int = 0
     outcome: str = OUTCOME_OK           # one of CHUNK_OUTCOMES
     num_preempted: int = 0              # victims this chunk needed
+    first_token_rules: str | None = None  # last chunk: the first-token rules that fired, comma-separated
 
 
 @dataclass
@@ -188,6 +189,9 @@ class RequestRecord(Event):
     prompt_tokens: list[int] = field(default_factory=list)
     output_tokens: list[int] = field(default_factory=list)
     conversation_id: int | None = None
+    source: str | None = None           # api / workload
+    features: dict[str, Any] = field(default_factory=dict)  # thinking, tool call, stop strings, logprobs
+    first_token_rules: str | None = None  # the first-token rules that fired, comma-separated
     grammar: dict[str, Any] | None = None   # {"kind", "value"[, "after_think"]}: what the output obeys
     grammar_kind: str | None = None         # json_object / json_schema / regex / choice / lark
     grammar_ready_tick: int | None = None   # tick its compile was seen done (a replay waits for it)
