@@ -12,7 +12,8 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from dashboard import (lever_state, queries_api, queries_chunks, queries_live, queries_prefix, queries_requests,
+from dashboard import (lever_state, queries_api, queries_chunks, queries_grammar, queries_live, queries_prefix,
+                       queries_requests,
                        queries_runs)
 from dashboard.db import DataUnavailable, query_one
 from dashboard.queries_chunks import ChunkFilter
@@ -87,6 +88,8 @@ def request_view(db: str, run_id: int, version: Version, search, statuses: tuple
     path = Path(db)
     found = queries_requests.find_requests(path, run_id, search, statuses)
     ids = [int(x) for x in found["request_id"]] if len(found) else []
+    if ids:   # grammar marks: their own query, so a store without grammar columns still lists requests
+        found = found.merge(queries_grammar.marks(path, run_id, ids), on="request_id", how="left")
     return (queries_requests.status_counts(path, run_id), found,
             queries_requests.lifecycle_events(path, run_id, ids),
             queries_requests.data_end_ms(path, run_id), queries_requests.errors(path, run_id))
@@ -121,3 +124,8 @@ def prefix_view(db: str, run_id: int, version: Version):
     return (scope, queries_prefix.hit_ratio_over_time(path, run_id, scope=scope),
             queries_prefix.totals(path, run_id, scope), queries_prefix.miss_reasons(path, run_id, scope),
             queries_prefix.snapshot_counts(path, run_id, scope))
+
+
+@st.cache_data(max_entries=_ENTRIES, show_spinner=False)
+def grammar_summary(db: str, run_id: int, version: Version) -> dict | None:
+    return queries_grammar.summary(Path(db), run_id)

@@ -80,6 +80,8 @@ def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: Lev
     scheduler = Scheduler(runner, levers, emit=emit, run_seed=seed, prefix_cache=prefix_cache)
     if tokenizer is not None:
         scheduler.detokenize = tokenizer.decode
+        from engine.grammar.compiler import GrammarCompiler
+        scheduler.grammars = GrammarCompiler.for_model(model, tokenizer, runner.vocab_size)
     engine_config = {"kv_blocks": kv_blocks, "block_size": BLOCK_SIZE, "ssm_slots": ssm_slots,
                      "device": device, "dtype": str(dtype).removeprefix("torch."), "seed": seed,
                      "dtype_choice": dtype_choice, "cpu_isa": isa_summary(cpu_flags()),

@@ -178,7 +178,8 @@ def drive(sched, recorded: RecordedRun, flips: dict[str, Any], *, cut_at_tick: i
 
     def submit(record: ev.RequestRecord) -> None:
         submitted.append(sched.submit(record.request_id, list(record.prompt_tokens), dict(record.sampling),
-                                      conversation_id=record.conversation_id, features=record.features or None))
+                                      conversation_id=record.conversation_id, features=record.features or None,
+                                      grammar=record.grammar, grammar_ready_tick=record.grammar_ready_tick))
 
     def arrivals_and_levers() -> None:
         while pending and pending[0].arrival_tick <= sched.tick:

@@ -53,6 +53,8 @@ def add_parser(subparsers) -> None:
                    help="synthetic | multiturn | trace:PATH | bundle:PATH | none (API traffic only; default synthetic)")
     p.add_argument("--rate", type=bounded_float(0.0, 1e6, low_open=True), default=4.0,
                    help="arrival rate, requests/s (synthetic, multiturn)")
+    p.add_argument("--grammar-share", type=bounded_float(0.0, 1.0), default=0.0,
+                   help="synthetic: share of requests constrained by a built-in JSON schema / regex / choice")
     p.add_argument("--requests", type=cli_args.positive_int, default=None,
                    help="stop after this many requests (default: endless)")
     p.add_argument("--duration", type=cli_args.positive_float, default=None, help="stop after this many seconds")
@@ -223,7 +225,7 @@ def _status_fields(sched, writer, telemetry_error: str | None, state: str, stall
 
 def _submit(sched, spec: RequestSpec) -> None:
     request = sched.submit(spec.request_id, spec.prompt_tokens, spec.sampling,
-                           conversation_id=spec.conversation_id, features=spec.features)
+                           conversation_id=spec.conversation_id, features=spec.features, grammar=spec.grammar)
     if request.status == ev.REQ_REJECTED:
         log.warning("request %d rejected: %s", spec.request_id, request.error)
 

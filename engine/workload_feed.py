@@ -30,8 +30,10 @@ class WorkloadFeed:
         if kind == "synthetic":
             if limit is None:
                 return cls(_endless_synthetic(args, common), {"kind": "synthetic", "rate": args.rate,
-                                                              "seed": args.seed, "endless": True})
-            workload = SyntheticWorkload(num_requests=limit, rate=args.rate, seed=args.seed, **common)
+                                                              "seed": args.seed, "endless": True,
+                                                              "grammar_share": getattr(args, "grammar_share", 0.0)})
+            workload = SyntheticWorkload(num_requests=limit, rate=args.rate, seed=args.seed,
+                                         grammar_share=getattr(args, "grammar_share", 0.0), **common)
         elif kind == "multiturn":
             workload = MultiTurnWorkload(rate=args.rate, seed=args.seed, **common)
         elif kind == "trace":
@@ -75,8 +77,8 @@ def _endless_synthetic(args: Any, common: dict[str, Any]) -> Iterator[RequestSpe
     """Epoch after epoch of a seeded synthetic workload, shifted in time and request id."""
     epoch, t_offset = 0, 0.0
     while True:
-        specs = SyntheticWorkload(num_requests=EPOCH_REQUESTS, rate=args.rate,
-                                  seed=args.seed * 7919 + epoch, **common).requests()
+        specs = SyntheticWorkload(num_requests=EPOCH_REQUESTS, rate=args.rate, seed=args.seed * 7919 + epoch,
+                                  grammar_share=getattr(args, "grammar_share", 0.0), **common).requests()
         for spec in specs:
             spec.request_id += epoch * EPOCH_REQUESTS
             spec.arrival_s += t_offset

@@ -131,6 +131,8 @@ class Tick(Event):
     # rate and bytes at the read bandwidth, engine/model/roofline.py); roofline_ns / duration_ns
     # is the share of the machine the tick reached. None when the engine measured no rates.
     roofline_ns: int | None = None
+    num_constrained_rows: int = 0       # sampled rows a grammar mask constrained this tick
+    grammar_mask_ns: int = 0            # time spent filling and applying grammar masks this tick
 
 
 @dataclass
@@ -176,6 +178,7 @@ class Preemption(Event):
     policy: str = "most_blocks"
     prefill_request_id: int | None = None
     num_remaining: int = 0
+    num_grammar_skipped: int = 0        # grammar holders passed over (never victims)
 
 
 @dataclass
@@ -203,6 +206,10 @@ class RequestRecord(Event):
     source: str | None = None           # api / workload
     features: dict[str, Any] = field(default_factory=dict)  # thinking, tool call, stop strings, logprobs
     first_token_rules: str | None = None  # the first-token rules that fired, comma-separated
+    grammar: dict[str, Any] | None = None   # {"kind", "value"[, "after_think"]}: what the output obeys
+    grammar_kind: str | None = None         # json_object / json_schema / regex / choice / lark
+    grammar_ready_tick: int | None = None   # tick its compile was seen done (a replay waits for it)
+    grammar_valid: bool | None = None       # the ended output is a complete sentence of its grammar
 
 
 @dataclass

@@ -77,6 +77,7 @@ class _Submit:
     sampling: dict
     features: RequestFeatures
     outbox: Outbox
+    grammar: dict | None = None
 
 
 @dataclass
@@ -105,7 +106,7 @@ class EngineBridge:
 
     # ---- HTTP thread --------------------------------------------------------------------
     def submit(self, prompt_tokens: list[int], sampling: dict, features: RequestFeatures,
-               outbox: Outbox) -> int:
+               outbox: Outbox, grammar: dict | None = None) -> int:
         """Queue a request for the next tick boundary; returns its handle (for ``cancel``)."""
         with self._lock:
             if self.num_waiting + self._num_queued >= self.max_waiting:
@@ -113,7 +114,7 @@ class EngineBridge:
                                 f"(--max-waiting {self.max_waiting})")
             handle, self._next_handle = self._next_handle, self._next_handle + 1
             self._num_queued += 1
-        self._inbox.put(_Submit(handle, prompt_tokens, sampling, features, outbox))
+        self._inbox.put(_Submit(handle, prompt_tokens, sampling, features, outbox, grammar))
         self._wake.set()
         return handle
 
@@ -139,7 +140,8 @@ class EngineBridge:
                     self._num_queued -= 1
                 request_id = new_request_id()
                 self._request_id_of[item.handle] = request_id
-                request = sched.submit(request_id, item.prompt_tokens, item.sampling, features=item.features)
+                request = sched.submit(request_id, item.prompt_tokens, item.sampling, features=item.features,
+                                       grammar=item.grammar)
                 self._tracked[request_id] = _Tracked(request, item.outbox, item.handle)
             else:
                 request_id = self._request_id_of.get(item[1])

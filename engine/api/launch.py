@@ -71,7 +71,8 @@ def start_api(args: argparse.Namespace, setup, dropped) -> API | None:
                       max_context=setup.scheduler.max_context, num_kv_blocks=bm.num_blocks,
                       block_size=bm.block_size, tokenizer=setup.tokenizer, chat_template=template,
                       has_tool_call_token=model.tool_call_start_id is not None,
-                      eos_ids=frozenset(setup.scheduler.eos_ids))
+                      eos_ids=frozenset(setup.scheduler.eos_ids), grammars=setup.scheduler.grammars,
+                      tool_call_start_id=model.tool_call_start_id, tool_call_end_id=model.tool_call_end_id)
     bridge = EngineBridge(max_waiting=args.max_waiting)
     metrics = EngineMetrics(setup.model_name, dropped)
     server = APIServer(build_app(info, bridge, metrics, args.api_key), args.api_host, args.api_port)

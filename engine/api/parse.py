@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from engine.api.chat_template import ChatTemplate, ChatTemplateError
+from engine.api import structured
 from engine.api.errors import APIError, bad_request
 from engine.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, stop_list
 from engine.request_features import SOURCE_API, RequestFeatures
@@ -33,6 +34,9 @@ class EngineInfo:
     chat_template: ChatTemplate
     has_tool_call_token: bool
     eos_ids: frozenset[int] = frozenset()
+    grammars: Any = None           # engine.grammar.compiler.GrammarCompiler (None: no grammar support)
+    tool_call_start_id: int | None = None
+    tool_call_end_id: int | None = None
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,7 @@ class EngineRequest:
     stream: bool
     include_usage: bool
     tools_allowed: bool = False    # chat: parse tool calls out of the reply
+    grammar: dict | None = None    # what the output obeys (engine/grammar/spec.py)
 
 
 def validate(model_cls: type, raw: bytes):
@@ -84,7 +89,10 @@ def completion_request(info: EngineInfo, body: CompletionRequest) -> EngineReque
     if bad is not None:
         raise bad_request(f"prompt: token id {bad} is outside the vocabulary [0, {info.vocab_size})", "prompt")
     features = RequestFeatures(source=SOURCE_API, stop_strings=tuple(stop_list(body.stop)), logprobs=body.logprobs)
-    return _engine_request(info, body, tokens, body.max_tokens or 16, features, (), tools_allowed=False)
+    grammar = structured.grammar_for(info, response_format=body.response_format,
+                                     structured_outputs=body.structured_outputs)
+    return _engine_request(info, body, tokens, body.max_tokens or 16, features, (), tools_allowed=False,
+                           grammar=grammar)
 
 
 def chat_request(info: EngineInfo, body: ChatCompletionRequest) -> EngineRequest:
@@ -119,12 +127,17 @@ def chat_request(info: EngineInfo, body: ChatCompletionRequest) -> EngineRequest
         raise bad_request("top_logprobs: needs logprobs: true", "top_logprobs")
     im_end = info.tokenizer.token_id("<|im_end|>")
     max_tokens = body.max_completion_tokens or body.max_tokens
+    grammar = structured.grammar_for(info, response_format=body.response_format,
+                                     structured_outputs=body.structured_outputs,
+                                     tools=tools if require_tool else None, tool_choice=choice,
+                                     enable_thinking=thinking)
     return _engine_request(info, body, tokens, max_tokens, features, (im_end,) if im_end is not None else (),
-                           tools_allowed=bool(tools))
+                           tools_allowed=bool(tools), grammar=grammar)
 
 
 def _engine_request(info: EngineInfo, body: SamplingFields, tokens: list[int], max_tokens: int | None,
-                    features: RequestFeatures, end_of_turn: tuple[int, ...], *, tools_allowed: bool) -> EngineRequest:
+                    features: RequestFeatures, end_of_turn: tuple[int, ...], *, tools_allowed: bool,
+                    grammar: dict | None = None) -> EngineRequest:
     if not tokens:
         raise bad_request("prompt: empty prompt (at least one token is needed)", "prompt")
     room = info.max_context - len(tokens)
@@ -155,4 +168,4 @@ def _engine_request(info: EngineInfo, body: SamplingFields, tokens: list[int], m
                 "min_p": body.min_p, "min_tokens": body.min_tokens, "max_tokens": max_tokens, "seed": body.seed,
                 "stop_token_ids": sorted(set(stop_ids))}
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return EngineRequest(tokens, sampling, features, body.stream, include_usage, tools_allowed)
+    return EngineRequest(tokens, sampling, features, body.stream, include_usage, tools_allowed, grammar)

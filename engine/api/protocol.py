@@ -21,6 +21,26 @@ class StreamOptions(Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(Body):
+    name: str = "schema"
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(Body):
+    """The extension object: exactly one of regex, choice, grammar (Lark)."""
+
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class SamplingFields(Body):
     """The sampling fields both endpoints share."""
 
@@ -36,6 +56,8 @@ class SamplingFields(Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1)                   # one choice per request
+    response_format: ResponseFormat | None = None   # structured output (engine/api/structured.py)
+    structured_outputs: StructuredOutputs | None = None
 
 
 class CompletionRequest(SamplingFields):

@@ -78,7 +78,7 @@ def build_app(info: EngineInfo, bridge: EngineBridge, metrics: EngineMetrics, ap
         outbox = Outbox(asyncio.get_running_loop())
         try:
             handle = bridge.submit(engine_request.prompt_tokens, engine_request.sampling,
-                                       engine_request.features, outbox)
+                                   engine_request.features, outbox, engine_request.grammar)
         except QueueFull as exc:
             raise APIError(429, str(exc), type=TYPE_RATE, code="too_many_waiting",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None

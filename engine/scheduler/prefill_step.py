@@ -14,7 +14,7 @@ import torch
 
 from engine.cache.kv import KVCacheExhausted
 from engine.cache.ssm_pool import SSMSnapshot
-from engine.scheduler import decode_step, forward_failure, logprobs, outputs, prefix_step
+from engine.scheduler import decode_step, forward_failure, grammar_step, logprobs, outputs, prefix_step
 from engine.scheduler.adaptive import params_for_row
 from engine.scheduler.chunk_plan import ChunkPlan, plan_chunk
 from engine.scheduler.first_token import FirstTokenPolicy, sample_first_token
@@ -168,8 +168,14 @@ def _run_plain(sched: Scheduler, req: Request, chunk: ChunkPlan, row: ev.ChunkDe
                 if victim is None:
                     row.outcome = ev.OUTCOME_FAILED_KV
                     sched.streams.wait_for(STREAM_DEFAULT, STREAM_PREFILL, EVENT_PREFILL_DONE)  # its earlier chunks
+                    num_held = sum(1 for a in sched.active if a.has_grammar)
+                    held = f"; {num_held} grammar holder(s) are never preempted" if num_held else ""
                     sched.finish(req, "error", f"KV cache exhausted: no request left to preempt for a "
-                                               f"{chunk.length}-token chunk ({exc})")
+                                               f"{chunk.length}-token chunk ({exc}){held}")
+                    if num_held:
+                        sched.emit(ev.GenericEvent(tick=sched.tick, t_ns=sched.now_ns(), kind="preemption_blocked",
+                                                   request_id=req.request_id,
+                                                   detail={"num_grammar_skipped": num_held}))
                     return
                 decode_step.preempt(sched, victim, prefill_request=req)
                 row.num_preempted += 1
@@ -217,12 +223,16 @@ def _first_token(sched: Scheduler, req: Request, logits: torch.Tensor, row: ev.C
     model = sched.runner.model
     try:
         features = req.features
-        policy = FirstTokenPolicy.for_birth(features.enable_thinking, model.think_end_id, model.tool_call_start_id,
+        # A grammar that starts after </think> makes token 0 open a thought (the thinking rule);
+        # otherwise the grammar applies to token 0 (the policy's grammar_applies).
+        policy = FirstTokenPolicy.for_birth(features.enable_thinking or grammar_step.is_thinking(req),
+                                            model.think_end_id, model.tool_call_start_id,
                                             req.params.min_tokens, features.require_tool_call)
         req.first_token_rules = row.first_token_rules = ",".join(policy.rules) or None
         min_p = effective_min_p(req.params, sched.levers.speculation, sched.levers.no_mtp_minp)
         params = params_for_row(req.params, req.region, sched.levers.adaptive_sampling)
-        token = sample_first_token(logits, params, req.generator, policy, sched.eos_ids, min_p)
+        allowed = grammar_step.first_token_allowed(sched, req) if policy.grammar_applies else None
+        token = sample_first_token(logits, params, req.generator, policy, sched.eos_ids, min_p, allowed)
         logprobs.record(req, logits, token)
     except Exception as exc:
         row.outcome = ev.OUTCOME_FAILED_FIRST_TOKEN

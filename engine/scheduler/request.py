@@ -43,9 +43,13 @@ class Request:
     prefix_hit_tokens: int = 0
     prefix_miss_reason: str | None = None
     # Grammar-constrained requests are never preemption victims (reference rule, applied in
-    # scheduler/preempt.py). Nothing sets it yet: no request field or API accepts a grammar, so
-    # it is False for every request until a grammar engine sets it at submit.
+    # scheduler/preempt.py); set at submit when the request carries a grammar (grammar_step.attach).
     has_grammar: bool = False
+    grammar_spec: Any = None          # engine.grammar.spec.GrammarSpec: what the output must obey
+    grammar_future: Any = None        # the compile in flight (concurrent.futures.Future)
+    grammar: Any = None               # engine.grammar.matcher.GrammarState once compiled
+    grammar_ready_tick: int | None = None   # the tick it was seen compiled (a replay waits for it)
+    grammar_valid: bool | None = None       # the ended output is a complete sentence of the grammar
     pending_drafts: list[int] = field(default_factory=list)
     # Left by the last speculative step for the next one (engine/scheduler/spec_step.py): the
     # cached-token count the drafts were proposed at, and the SSM state there (a copy made on
@@ -106,6 +110,9 @@ class Request:
             prompt_tokens=self.prompt_tokens, output_tokens=list(self.output_tokens),
             conversation_id=self.conversation_id, source=self.features.source,
             features=self._features_dict(), first_token_rules=self.first_token_rules,
+            grammar=self.grammar_spec.to_dict() if self.grammar_spec is not None else None,
+            grammar_kind=self.grammar_spec.kind if self.grammar_spec is not None else None,
+            grammar_ready_tick=self.grammar_ready_tick, grammar_valid=self.grammar_valid,
         )
 
     def _features_dict(self) -> dict:

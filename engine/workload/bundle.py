@@ -82,9 +82,12 @@ def _spec_from(obj: Any, where: str, vocab_size: int | None) -> RequestSpec:
             features = RequestFeatures.from_dict(features).to_dict()
         except (TypeError, ValueError) as exc:
             raise WorkloadError(f"{where}: {exc}") from None
+    grammar = obj.get("grammar")
+    if grammar is not None and not isinstance(grammar, dict):
+        raise WorkloadError(f"{where}: grammar must be a JSON object or null, got {type(grammar).__name__}")
     return RequestSpec(request_id=request_id, arrival_s=float(arrival_s), prompt_tokens=tokens,
                        sampling=sampling, conversation_id=obj.get("conversation_id"),
-                       turn=obj.get("turn"), arrival_tick=tick, features=features)
+                       turn=obj.get("turn"), arrival_tick=tick, features=features, grammar=grammar)
 
 
 def write_workload_jsonl(specs: list[RequestSpec], path: str | Path) -> None:
@@ -108,7 +111,8 @@ class BundleWorkload:
         # Fresh copies: a consumer that mutates a spec cannot change the next replay.
         return [RequestSpec(s.request_id, s.arrival_s, list(s.prompt_tokens), dict(s.sampling),
                             s.conversation_id, s.turn, s.arrival_tick,
-                            dict(s.features) if s.features else None) for s in self._specs]
+                            dict(s.features) if s.features else None,
+                            dict(s.grammar) if s.grammar is not None else None) for s in self._specs]
 
     def describe(self) -> dict[str, Any]:
         known = [k for k in SAMPLING_KEYS if any(k in s.sampling for s in self._specs)]
