@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from engine.model.embedded import EMBEDDED_MODELS, checkpoint_dir_of  # noqa: F401  (callers import it here)
 from engine.model.fault import ForwardFault
 from engine.model.loader import load_model
 from engine.model.runner import ModelRunner
@@ -44,13 +45,6 @@ class EngineSetup:
         return {i for i in (getattr(self.model, n, None) for n in names) if i is not None}
 
 
-def checkpoint_dir_of(name_or_dir: str) -> Path:
-    if name_or_dir == "tiny":
-        from engine.model.tiny import ensure_tiny_checkpoint
-        return ensure_tiny_checkpoint()
-    return Path(name_or_dir).expanduser()
-
-
 def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: LeverValues,
                  seed: int = 0, device: str | None = None, dtype: torch.dtype = torch.float32,
                  emit=None, prefix_cache: bool = True, threads: int | None = None,
@@ -59,7 +53,7 @@ def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: Lev
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     # Tiny ops gain nothing from a thread team, and on a shared, busy machine its
     # spin-waits cost 10x: the tiny model runs single-threaded unless told otherwise.
-    threads = threads or (1 if model_name == "tiny" else None)
+    threads = threads or (1 if model_name in EMBEDDED_MODELS else None)
     if threads:
         torch.set_num_threads(threads)
     if kv_blocks < 1 or ssm_slots < 1:
@@ -116,7 +110,7 @@ def run_started_row(setup: EngineSetup, args: Any, workload: dict[str, Any], arg
     config_path = setup.checkpoint_dir / "config.json"
     model_config = json.loads(config_path.read_text()) if config_path.exists() else {}
     return RunStarted(
-        started_at=time.time(), model=setup.model_name if setup.model_name == "tiny" else setup.checkpoint_dir.name,
+        started_at=time.time(), model=setup.model_name if setup.model_name in EMBEDDED_MODELS else setup.checkpoint_dir.name,
         device=device_description(setup.engine_config["device"]), config=setup.engine_config,
         model_config=model_config, versions=versions(), workload=workload,
         levers=setup.scheduler.levers.as_dict(), command_line=" ".join(["python -m engine", *argv[1:]])
