@@ -17,6 +17,9 @@ COMMANDS = [generate, serve, replay]
 from engine.cache.kv import KVCacheExhausted  # noqa: E402
 from engine.cache.ssm_pool import SSMPoolExhausted  # noqa: E402
 from engine.model.loader import CheckpointError  # noqa: E402
+from engine.model.errors import RankFailure  # noqa: E402
+
+EXIT_RANK_FAILURE = 3
 
 USER_ERRORS = (ValueError, CheckpointError, KVCacheExhausted, SSMPoolExhausted, FileNotFoundError)
 
@@ -37,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except RankFailure as err:  # an expert-parallel rank died or hung: the run ended, every rank exits
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_RANK_FAILURE
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ import sys
 
 import torch
 
+from engine.distributed import launch
+from engine.model.errors import RankFailure
 from engine.model.loader import load_model
 from engine.model.runner import ModelRunner
 from engine.scheduler.sampling import SamplingParams, make_generator, sample_next
@@ -22,8 +24,17 @@ def parse_ids(text: str) -> list[int]:
         raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
 
 
-def generate(model, tokenizer, prompt: list[int], params: SamplingParams, stop_at_eos: bool = True) -> dict:
-    """Greedy or sampled continuation of ``prompt``; returns {"tokens": [...], "text": str | None}."""
+def runner_sizes(prompt_len: int, max_tokens: int) -> tuple[int, int]:
+    """(KV blocks, SSM slots) for one sequence of prompt + max_tokens tokens."""
+    return -(-(prompt_len + max_tokens) // 16) + 1, 1
+
+
+def generate(model, tokenizer, prompt: list[int], params: SamplingParams, stop_at_eos: bool = True,
+             runner: ModelRunner | None = None) -> dict:
+    """Greedy or sampled continuation of ``prompt``; returns {"tokens": [...], "text": str | None}.
+
+    ``runner``: one sized by ``runner_sizes`` (expert parallelism builds it before the ranks start).
+    """
     vocab = model.config.vocab_size
     if not prompt:
         raise ValueError("prompt is empty: give --prompt-ids or a non-empty --prompt")
@@ -35,8 +46,9 @@ def generate(model, tokenizer, prompt: list[int], params: SamplingParams, stop_a
     if len(prompt) >= max_context:
         raise ValueError(f"--prompt-ids: {len(prompt)} tokens do not fit the model's context of {max_context}")
     params.validate(vocab)
-    total = len(prompt) + params.max_tokens
-    runner = ModelRunner(model, num_kv_blocks=-(-total // 16) + 1, num_ssm_slots=1)
+    if runner is None:
+        kv_blocks, ssm_slots = runner_sizes(len(prompt), params.max_tokens)
+        runner = ModelRunner(model, num_kv_blocks=kv_blocks, num_ssm_slots=ssm_slots)
     seq = SequenceState(request_id=0)
     runner.admit(seq)
     eos_ids = {model.eos_token_id} if model.eos_token_id is not None else set()
@@ -72,6 +84,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--json", action="store_true", help='print {"tokens": [...], "text": ...}')
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    launch.add_arguments(parser)
     parser.set_defaults(func=run)
 
 
@@ -79,7 +93,10 @@ def run(args: argparse.Namespace) -> int:
     if (args.prompt_ids is None) == (args.prompt is None):
         raise ValueError("give exactly one of --prompt-ids and --prompt")
     torch.set_grad_enabled(False)
-    model, _, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rank, _ = launch.rank_of(args.ep)
+    model, _, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), ep_rank=rank, ep_size=args.ep)
     if args.prompt is not None:
         if tokenizer is None:
             raise ValueError(f"--prompt: {args.model} has no tokenizer.json; use --prompt-ids")
@@ -88,10 +105,45 @@ def run(args: argparse.Namespace) -> int:
         prompt = parse_ids(args.prompt_ids)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             min_p=args.min_p, max_tokens=args.max_tokens, seed=args.seed)
-    result = generate(model, tokenizer, prompt, params, stop_at_eos=not args.ignore_eos)
+    if args.ep > 1:
+        result = _generate_ep(args, model, tokenizer, prompt, params)
+        if result is None:  # a rank > 0 under torchrun: it ran the forwards, rank 0 prints
+            return 0
+    else:
+        result = generate(model, tokenizer, prompt, params, stop_at_eos=not args.ignore_eos)
     if args.json:
         print(json.dumps(result))
     else:
         print(result["text"] if result["text"] is not None else " ".join(map(str, result["tokens"])))
     sys.stdout.flush()
     return 0
+
+
+def _generate_ep(args: argparse.Namespace, model, tokenizer, prompt: list[int], params: SamplingParams) -> dict | None:
+    """``--ep N``: every rank runs the forwards; rank 0 samples. None on ranks > 0."""
+    from engine.distributed.worker import EXIT_RANK_FAILURE, run_rank
+    from engine.engine_setup import checkpoint_hash
+    from engine.model.embedded import checkpoint_dir_of
+
+    rank, from_torchrun = launch.rank_of(args.ep)
+    kv_blocks, ssm_slots = runner_sizes(len(prompt), params.max_tokens)
+    spec = launch.WorkerArgs(args.model, kv_blocks, ssm_slots, 16, getattr(torch, args.dtype), torch.device("cpu"),
+                             args.threads, args.ep, args.ep_timeout, args.ep_exchange)
+    digest = checkpoint_hash(checkpoint_dir_of(args.model))
+    if rank > 0:
+        status = run_rank(model, rank=rank, size=args.ep, kv_blocks=kv_blocks, ssm_slots=ssm_slots, block_size=16,
+                          dtype=spec.dtype, device=spec.device, timeout_s=args.ep_timeout,
+                          exchange=args.ep_exchange, checkpoint_hash=digest)
+        if status == EXIT_RANK_FAILURE:
+            raise RankFailure(f"rank {rank} ended with a failed peer")
+        return None
+    runner = ModelRunner(model, num_kv_blocks=kv_blocks, num_ssm_slots=ssm_slots)
+    children = [] if from_torchrun else launch.spawn_ranks(spec)
+    ep = launch.start_leader(model, runner, spec, digest, children)
+    failed = True
+    try:
+        result = generate(model, tokenizer, prompt, params, stop_at_eos=not args.ignore_eos, runner=runner)
+        failed = False
+    finally:
+        ep.close(failed)
+    return result

@@ -67,6 +67,9 @@ COMPUTED_OUTCOMES = (OUTCOME_OK, OUTCOME_MIXED_KV_FALLBACK, OUTCOME_FAILED_FIRST
 
 # ``GenericEvent.kind`` of a failed forward: one row per failure, naming the requests it ended.
 EVENT_FORWARD_FAILED = "forward_failed"
+# ``GenericEvent.kind`` of one expert-parallel rank's share of one forward (detail: rank, start_ns,
+# broadcast_ns, expert_ns, exchange_ns, forward_ns); the Live timeline draws one lane per rank.
+EVENT_EP_FORWARD = "ep_forward"
 
 
 @dataclass
@@ -139,6 +142,7 @@ class ChunkDecision(Event):
     duration_ns: int = 0
     outcome: str = OUTCOME_OK           # one of CHUNK_OUTCOMES
     num_preempted: int = 0              # victims this chunk needed
+    ep_broadcast_ns: int | None = None  # under expert parallelism: rank 0's broadcast before the forward
 
 
 @dataclass

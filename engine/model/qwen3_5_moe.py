@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.config import ConfigError, ModelConfig
+from engine.model.errors import RankFailure
 from engine.model.layers import SwiGLU
 from engine.model.qwen3_5 import Qwen35ForCausalLM
 
@@ -46,14 +47,25 @@ class ForwardTimings:
         self.expert_ns = self.exchange_ns = 0
 
 
+def sum_rows(tokens: torch.Tensor, rows: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Add each row of ``rows`` [N, H] into its token's row of a zero [num_tokens, H], in row order.
+
+    Every exchange ends here with the rows of a token in global expert order, so the sum is
+    the same float operations whatever the world size.
+    """
+    out = rows.new_zeros(num_tokens, rows.shape[1])
+    return out.index_add_(0, tokens, rows)
+
+
 class LocalExchange:
     """One rank holds every expert: nothing to exchange."""
 
     world_size = 1
 
-    def gather(self, local_rows: torch.Tensor, rows_per_rank: list[int]) -> torch.Tensor:
-        """local_rows [N, H] -> [N, H] (every rank's rows, rank order)."""
-        return local_rows
+    def combine(self, local: torch.Tensor, tokens: torch.Tensor, runs: list[tuple[int, int]],
+                num_tokens: int) -> torch.Tensor:
+        """local [N, H]: this rank's rows of the assignments ``runs[rank]``; -> the routed sum [T, H]."""
+        return sum_rows(tokens, local, num_tokens)
 
 
 class Experts(nn.Module):
@@ -73,8 +85,8 @@ class Experts(nn.Module):
 
         Assignments (token, slot) are sorted by expert (stable, so token order within an
         expert); rank r's experts own one contiguous run of that order. Each rank computes its
-        run, the exchange concatenates all runs, and one ``index_add_`` sums them per token in
-        expert order, the order transformers' loop adds them in.
+        run; the exchange brings each token's rows together and sums them in expert order (the
+        order transformers' loop adds them in), one ``index_add_`` whatever the world size.
         """
         start_ns = time.perf_counter_ns()
         k = top_idx.shape[1]
@@ -98,11 +110,9 @@ class Experts(nn.Module):
         local = torch.cat(pieces) if pieces else x.new_zeros(0, x.shape[1])  # [N_local, H]
         exchange_start = time.perf_counter_ns()
         timings.expert_ns += exchange_start - start_ns
-        rows_per_rank = [starts[end] - starts[first] for first, end in bounds]
-        every = exchange.gather(local, rows_per_rank)  # [T*k, H] in global expert order
+        runs = [(starts[first], starts[end]) for first, end in bounds]  # each rank's slice of ``order``
+        combined = exchange.combine(local, order // k, runs, x.shape[0])  # [T, H]
         timings.exchange_ns += time.perf_counter_ns() - exchange_start
-        combined = torch.zeros_like(x)  # [T, H]
-        combined.index_add_(0, order // k, every.to(x.dtype))
         return combined
 
 
@@ -146,13 +156,39 @@ class Qwen35MoeForCausalLM(Qwen35ForCausalLM):
         timings = ForwardTimings()
         super().__init__(config, make_mlp=lambda cfg, _layer: SparseMoeBlock(cfg, bounds, ep_rank, timings))
         self.ep_rank, self.ep_size, self.expert_bounds, self.moe_timings = ep_rank, ep_size, bounds, timings
+        # Rank 0 under expert parallelism: broadcasts each forward's inputs first (engine/distributed/leader.py).
+        self.leader = None
+        self.clock_ns: Callable[[], int] = time.monotonic_ns  # run-relative once telemetry is attached
+
+    @property
+    def last_broadcast_ns(self) -> int | None:
+        return self.leader.last_broadcast_ns if self.leader is not None else None
+
+    def forward(self, batch, kv, pool, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """As the dense model; with a leader attached, every rank runs this forward together."""
+        if self.leader is None:
+            return super().forward(batch, kv, pool, logits_rows)
+        self.leader.before_forward(batch, logits_rows, pool)
+        self.moe_timings.reset()
+        start_ns, start = self.clock_ns(), time.perf_counter_ns()
+        try:
+            logits = super().forward(batch, kv, pool, logits_rows)
+        except Exception as err:
+            if isinstance(err, RankFailure):
+                raise
+            # The other ranks are inside this forward's collectives: the ranks are out of step for good.
+            raise RankFailure(f"expert-parallel forward failed on rank 0 after its broadcast, so the ranks "
+                              f"are out of step ({type(err).__name__}: {err})") from err
+        self.leader.after_forward(start_ns, self.moe_timings.expert_ns, self.moe_timings.exchange_ns,
+                                  time.perf_counter_ns() - start)
+        return logits
 
     @property
     def is_ep(self) -> bool:
         return self.ep_size > 1
 
     def attach_exchange(self, exchange) -> None:
-        """Route every MoE block's expert rows through ``exchange`` (``gather(local, rows_per_rank)``)."""
+        """Route every MoE block's expert rows through ``exchange`` (see ``LocalExchange.combine``)."""
         for layer in self.model.layers:
             layer.mlp.exchange = exchange
 
