@@ -48,8 +48,11 @@ class EngineSetup:
 def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: LeverValues,
                  seed: int = 0, device: str | None = None, dtype: torch.dtype = torch.float32,
                  emit=None, prefix_cache: bool = True, threads: int | None = None,
-                 fault: ForwardFault | None = None) -> EngineSetup:
-    """``fault``: the test-only forward fault hook (``engine/model/fault.py``), recorded in the config."""
+                 fault: ForwardFault | None = None, ep_size: int = 1) -> EngineSetup:
+    """``fault``: the test-only forward fault hook (``engine/model/fault.py``), recorded in the config.
+
+    ``ep_size`` > 1: load rank 0's share of a MoE model's experts (``engine/distributed`` starts the ranks).
+    """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     # Tiny ops gain nothing from a thread team, and on a shared, busy machine its
     # spin-waits cost 10x: the tiny model runs single-threaded unless told otherwise.
@@ -59,7 +62,7 @@ def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: Lev
     if kv_blocks < 1 or ssm_slots < 1:
         raise ValueError(f"--kv-blocks and --ssm-slots must be >= 1, got {kv_blocks} and {ssm_slots}")
     directory = checkpoint_dir_of(model_name)
-    model, config, tokenizer = load_model(directory, dtype=dtype, device=device)
+    model, config, tokenizer = load_model(directory, dtype=dtype, device=device, ep_size=ep_size)
     runner = ModelRunner(model, num_kv_blocks=kv_blocks, num_ssm_slots=ssm_slots,
                          block_size=BLOCK_SIZE, device=device, dtype=dtype, fault=fault)
     scheduler = Scheduler(runner, levers, emit=emit, run_seed=seed, prefix_cache=prefix_cache)

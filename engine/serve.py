@@ -17,8 +17,11 @@ from pathlib import Path
 
 import torch
 
+from engine.distributed import launch, serve_ranks
+from engine.distributed.worker import EXIT_RANK_FAILURE
 from engine.engine_setup import EngineSetup, build_engine, run_started_row
 from engine.lever_watch import LeverWatcher
+from engine.model.errors import RankFailure
 from engine.model.fault import ENV_VAR as FAULT_ENV_VAR, ForwardFault
 from engine.workload.request import RequestSpec
 from engine.workload_feed import WorkloadFeed
@@ -53,10 +56,14 @@ def add_parser(subparsers) -> None:
     p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse cached prompt prefixes (KV blocks + SSM snapshots); default on")
     p.add_argument("--no-telemetry", action="store_true", help="run without writing telemetry (benchmarks)")
+    launch.add_arguments(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    rank, from_torchrun = launch.rank_of(args.ep)
+    if rank > 0:  # torchrun started this rank with the serve command line
+        return serve_ranks.run_torchrun_rank(args, rank)
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     _setup_logging(run_dir)
@@ -67,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
         log.warning("test fault hook %s armed: forwards carrying %s will raise", FAULT_ENV_VAR, fault.describe())
     setup = build_engine(args.model, kv_blocks=args.kv_blocks, ssm_slots=args.ssm_slots,
                          levers=base_levers, seed=args.seed, prefix_cache=args.prefix_cache,
-                         threads=args.threads, fault=fault)
+                         threads=args.threads, fault=fault, ep_size=args.ep)
+    ep_run = serve_ranks.start(args, setup, from_torchrun, run_dir) if args.ep > 1 else None
     feed = WorkloadFeed.from_args(args, setup)
     writer, telemetry_error = None, None
     if not args.no_telemetry:
@@ -78,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     _log_env_levers(sched)
     watcher = LeverWatcher(run_dir / "levers.json", base_levers)
     stop = _install_stop_handlers()
-    status = "finished"
+    status, exit_code = "finished", 0
     t_start = time.monotonic()
     log.info("serving %s, run dir %s, workload %s", args.model, run_dir, feed.describe().get("kind"))
     try:
@@ -96,19 +104,27 @@ def run(args: argparse.Namespace) -> int:
             elif feed.is_exhausted:
                 break
             else:
+                if ep_run is not None:
+                    ep_run.leader.keepalive()
                 time.sleep(min(IDLE_SLEEP_S, max(0.0, feed.next_arrival_s() - elapsed)))
+    except RankFailure as exc:  # a dead or hung rank ends the whole run, never only its requests
+        log.error("run failed at tick %d: %s", sched.tick, exc)
+        status, exit_code = "failed", EXIT_RANK_FAILURE
     except Exception:
         log.exception("engine loop failed")
         status = "error"
         raise
     finally:
+        if ep_run is not None:
+            ep_run.close(failed=status != "finished")
         watcher.stop()
-        sched.stop()
+        sched.stop(**({"reason": "the run failed: an expert-parallel rank died or hung"}
+                      if status == "failed" else {}))
         if writer is not None:
             writer.close(status)
         status_file.maybe_write(_status_fields(sched, writer, telemetry_error, status), force=True)
         log.info("run %s after %d ticks", status, sched.tick)
-    return 0
+    return exit_code
 
 
 def _open_telemetry(db_path: Path, setup: EngineSetup, args, feed) -> tuple[TelemetryWriter | None, str | None]:
