@@ -8,7 +8,6 @@ import sys
 import torch
 
 from engine.distributed import launch
-from engine.model.errors import RankFailure
 from engine.model.loader import load_model
 from engine.model.runner import ModelRunner
 from engine.scheduler.sampling import SamplingParams, make_generator, sample_next
@@ -107,8 +106,8 @@ def run(args: argparse.Namespace) -> int:
                             min_p=args.min_p, max_tokens=args.max_tokens, seed=args.seed)
     if args.ep > 1:
         result = _generate_ep(args, model, tokenizer, prompt, params)
-        if result is None:  # a rank > 0 under torchrun: it ran the forwards, rank 0 prints
-            return 0
+        if isinstance(result, int):  # a rank > 0 under torchrun: it ran the forwards, rank 0 prints
+            return result
     else:
         result = generate(model, tokenizer, prompt, params, stop_at_eos=not args.ignore_eos)
     if args.json:
@@ -119,9 +118,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate_ep(args: argparse.Namespace, model, tokenizer, prompt: list[int], params: SamplingParams) -> dict | None:
-    """``--ep N``: every rank runs the forwards; rank 0 samples. None on ranks > 0."""
-    from engine.distributed.worker import EXIT_RANK_FAILURE, run_rank
+def _generate_ep(args: argparse.Namespace, model, tokenizer, prompt: list[int],
+                 params: SamplingParams) -> dict | int:
+    """``--ep N``: every rank runs the forwards; rank 0 samples. A rank > 0 returns its exit status."""
+    from engine.distributed.worker import run_rank
     from engine.engine_setup import checkpoint_hash
     from engine.model.embedded import checkpoint_dir_of
 
@@ -131,12 +131,9 @@ def _generate_ep(args: argparse.Namespace, model, tokenizer, prompt: list[int], 
                              args.threads, args.ep, args.ep_timeout, args.ep_exchange)
     digest = checkpoint_hash(checkpoint_dir_of(args.model))
     if rank > 0:
-        status = run_rank(model, rank=rank, size=args.ep, kv_blocks=kv_blocks, ssm_slots=ssm_slots, block_size=16,
-                          dtype=spec.dtype, device=spec.device, timeout_s=args.ep_timeout,
-                          exchange=args.ep_exchange, checkpoint_hash=digest)
-        if status == EXIT_RANK_FAILURE:
-            raise RankFailure(f"rank {rank} ended with a failed peer")
-        return None
+        return run_rank(model, rank=rank, size=args.ep, kv_blocks=kv_blocks, ssm_slots=ssm_slots, block_size=16,
+                        dtype=spec.dtype, device=spec.device, timeout_s=args.ep_timeout,
+                        exchange=args.ep_exchange, checkpoint_hash=digest)
     runner = ModelRunner(model, num_kv_blocks=kv_blocks, num_ssm_slots=ssm_slots)
     children = [] if from_torchrun else launch.spawn_ranks(spec)
     ep = launch.start_leader(model, runner, spec, digest, children)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import hashlib
+import os
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +13,7 @@ import torch.distributed as dist
 from engine.model.errors import RankFailure
 
 DEFAULT_TIMEOUT_S = 10.0  # a peer that has not answered a collective by then is taken for dead
+START_TIMEOUT_S = 180.0  # the rendezvous: every rank imports torch and loads its experts first
 
 
 class StartMismatch(ValueError):
@@ -30,18 +32,22 @@ class EPGroup:
         return self.rank == 0
 
 
-def init_group(rank: int, size: int, timeout_s: float, device: torch.device) -> EPGroup:
-    """Join the group (``env://``: MASTER_ADDR / MASTER_PORT); gloo on CPU, NCCL on CUDA.
+def init_group(rank: int, size: int, timeout_s: float, device: torch.device,
+               start_timeout_s: float = START_TIMEOUT_S) -> EPGroup:
+    """Join the group at MASTER_ADDR / MASTER_PORT (as ``env://``); gloo on CPU, NCCL on CUDA.
 
-    ``timeout_s`` bounds every collective, the rendezvous included.
+    The rendezvous waits up to ``start_timeout_s`` (ranks import torch and load their experts
+    at their own pace); ``timeout_s`` then bounds every collective.
     """
     backend = "nccl" if device.type == "cuda" else "gloo"
     try:
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=size,
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size, rank == 0,
+                              timeout=datetime.timedelta(seconds=start_timeout_s), wait_for_workers=True)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
     except Exception as err:  # the store raises its own types (DistStoreError, RuntimeError, TimeoutError)
         raise RankFailure(f"expert-parallel rank {rank}: no rendezvous with {size} ranks within "
-                          f"{timeout_s:g} s ({type(err).__name__}: {err})") from err
+                          f"{start_timeout_s:g} s ({type(err).__name__}: {err})") from err
     return EPGroup(rank, size, timeout_s, backend)
 
 
