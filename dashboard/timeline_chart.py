@@ -3,7 +3,8 @@
 Lanes, top to bottom: ``events`` (preemption and lever-change markers),
 ``scheduler`` (one bar per forward, coloured by path), then one lane per
 stream (``default``, ``prefill``, ``secondary``) with record / wait / sync
-markers, GPU-timed intervals and record -> wait links.
+markers, GPU-timed intervals and record -> wait links; under expert
+parallelism one lane per rank below them (``rank_lanes.py``).
 
 Horizontal ``go.Bar`` (base=start, x=duration) gives a millisecond Gantt
 chart; past ``WEBGL_THRESHOLD`` intervals the forwards become ``Scattergl``
@@ -16,6 +17,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from dashboard.palette import KIND_SYMBOLS, PATH_COLORS, path_color
+from dashboard.rank_lanes import empty_rank_forwards, rank_lane_traces
 
 LANES = ("events", "scheduler", "default", "prefill", "secondary")
 STREAM_LANES = ("default", "prefill", "secondary")
@@ -135,6 +137,7 @@ def timeline_figure(
     preemptions: pd.DataFrame,
     lever_changes: pd.DataFrame,
     x_range: tuple[float, float] | None = None,
+    rank_forwards: pd.DataFrame | None = None,
 ) -> go.Figure:
     """Build the lane timeline.
 
@@ -155,6 +158,10 @@ def timeline_figure(
     else:
         traces = _forward_bars(forwards)
     traces += _stream_traces(stream_events, links) + _marker_traces(preemptions, lever_changes)
+    # Expert parallelism: one lane per rank below the stream lanes (dashboard/rank_lanes.py).
+    rank_traces, rank_y, rank_names = rank_lane_traces(
+        rank_forwards if rank_forwards is not None else empty_rank_forwards(), -1.0)
+    traces += rank_traces
     fig = go.Figure(traces)
     # Drawn in its own frame (live_timeline.py), outside Streamlit's chart theme: an explicit
     # template (Streamlit's default one holds placeholder colours its own chart swaps) and
@@ -164,9 +171,12 @@ def timeline_figure(
         margin={"l": 10, "r": 10, "t": 30, "b": 40},
         legend={"orientation": "h", "y": 1.12},
         xaxis={"title": "ms since run start", "range": list(x_range) if x_range else None},
-        yaxis={"tickmode": "array", "tickvals": [LANE_Y[lane] for lane in LANES], "ticktext": list(LANES),
-               "range": [-0.5, len(LANES) - 0.5], "zeroline": False, "fixedrange": True, "automargin": True},
+        yaxis={"tickmode": "array", "tickvals": [LANE_Y[lane] for lane in LANES] + rank_y,
+               "ticktext": list(LANES) + rank_names, "range": [-0.5 - len(rank_y), len(LANES) - 0.5],
+               "zeroline": False, "fixedrange": True, "automargin": True},
     )
+    if rank_y:
+        fig.update_layout(height=380 + 40 * len(rank_y))
     return fig
 
 

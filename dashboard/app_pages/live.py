@@ -42,7 +42,7 @@ def render(ctx: RunContext) -> None:
         st.warning(f"Run {ctx.run_id} is marked running but no tick has arrived for {age:.0f} s.")
     win = data.timeline_window(ctx.db, ctx.run_id, ctx.version, float(window_s))
     fig = charts.timeline_figure(win.forwards, win.stream_events, win.links, win.preemptions,
-                                 win.lever_changes, (win.start_ms, win.end_ms))
+                                 win.lever_changes, (win.start_ms, win.end_ms), win.rank_forwards)
     live_timeline.render(fig, key="live_timeline", revision=end_ns)   # stays mounted: no blank frame, zoom kept
     mode = "bucketed into WebGL segments" if win.is_bucketed else "one bar per forward"
     st.caption(f"last {window_s} s of run {ctx.run_id} ({ctx.run.get('status')}): {win.num_forwards} forwards, "

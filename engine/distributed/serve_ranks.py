@@ -13,7 +13,8 @@ from engine.distributed.worker import run_rank
 log = logging.getLogger("chunkscope.ep")
 
 
-def _worker_args(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, block_size: int) -> launch.WorkerArgs:
+def _worker_args(args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
+                 block_size: int) -> launch.WorkerArgs:
     return launch.WorkerArgs(args.model, args.kv_blocks, args.ssm_slots, block_size, dtype, device,
                              args.threads or 1, args.ep, args.ep_timeout, args.ep_exchange)
 

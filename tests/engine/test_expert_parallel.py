@@ -55,7 +55,8 @@ def test_serving_ep2_matches_ep1_with_chunked_prompts_and_preemptions(tmp_path):
     # The reference's rules: no chunk mixes under EP; every computed chunk was broadcast first.
     assert two.execute("SELECT count(*) FROM chunks WHERE path = 'mixed'").fetchone()[0] == 0
     assert two.execute("SELECT count(*) FROM chunks WHERE mix_blocker = 'expert_parallel'").fetchone()[0] > 0
-    assert two.execute("SELECT count(*) FROM chunks WHERE outcome = 'ok' AND ep_broadcast_ns IS NULL").fetchone()[0] == 0
+    unbroadcast = "SELECT count(*) FROM chunks WHERE outcome = 'ok' AND ep_broadcast_ns IS NULL"
+    assert two.execute(unbroadcast).fetchone()[0] == 0
     assert one.execute("SELECT count(*) FROM chunks WHERE ep_broadcast_ns IS NOT NULL").fetchone()[0] == 0
     # Per-rank timings of every forward reach rank 0's store.
     ranks = two.execute("SELECT json_extract(detail, '$.rank'), count(*), min(json_extract(detail, '$.forward_ns')) "
@@ -66,6 +67,22 @@ def test_serving_ep2_matches_ep1_with_chunked_prompts_and_preemptions(tmp_path):
     run = json.loads(two.execute("SELECT config FROM runs").fetchone()[0])
     assert run["ep"]["ranks"] == 2 and not any(is_running(pid) for pid in run["ep"]["rank_pids"].values())
     assert two.execute("SELECT status FROM runs").fetchone()[0] == "finished"
+    _check_rank_lanes(tmp_path / "ep2" / "telemetry.db", tmp_path / "ep1" / "telemetry.db")
+
+
+def _check_rank_lanes(ep2_db, ep1_db):
+    """The Live timeline draws one lane per rank from the ep_forward events (none without EP)."""
+    from dashboard.charts import timeline_figure
+    from dashboard.queries_live import timeline_window
+
+    for db, lanes in ((ep2_db, ["rank 0", "rank 1"]), (ep1_db, [])):
+        win = timeline_window(db, 1, 3600.0)
+        fig = timeline_figure(win.forwards, win.stream_events, win.links, win.preemptions, win.lever_changes,
+                              (win.start_ms, win.end_ms), win.rank_forwards)
+        assert [name for name in fig.layout.yaxis.ticktext if name.startswith("rank")] == lanes
+        assert sorted(win.rank_forwards["rank"].unique().tolist()) == [0, 1][:len(lanes)]
+        bars = [t for t in fig.data if t.name == "rank exchange"]
+        assert (len(bars) == 1 and len(bars[0].x) == len(win.rank_forwards)) if lanes else not bars
 
 
 def test_token_slices_cover_every_token_once():
