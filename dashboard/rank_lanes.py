@@ -35,7 +35,8 @@ def rank_lane_traces(rank_forwards: pd.DataFrame, top_y: float) -> tuple[list[go
     lane_of = {rank: top_y - i for i, rank in enumerate(ranks)}
     y = rank_forwards["rank"].map(lane_of).to_numpy(dtype=float)
     start = rank_forwards["start_ms"].to_numpy(dtype=float)
-    custom = rank_forwards[["rank", "tick", "broadcast_ms", "forward_ms", "expert_ms", "exchange_ms"]].to_numpy(dtype=float)
+    custom = rank_forwards[["rank", "tick", "broadcast_ms", "forward_ms", "expert_ms",
+                            "exchange_ms"]].to_numpy(dtype=float)
     bases = {
         "broadcast_ms": start - rank_forwards["broadcast_ms"].to_numpy(dtype=float),
         "forward_ms": start,
