@@ -92,3 +92,28 @@ def test_token_slices_cover_every_token_once():
             assert slices[0][0] == 0 and slices[-1][1] == tokens
             assert all(a[1] == b[0] for a, b in zip(slices, slices[1:]))
             assert max(b - a for a, b in slices) - min(b - a for a, b in slices) <= 1
+
+
+def test_torchrun_started_ranks_give_the_same_tokens():
+    """The same command under torchrun: its env names the ranks, rank > 0 becomes a worker, rank 0 prints."""
+    import socket
+    import subprocess
+    import sys
+
+    from tests.engine.ep_process import REPO_ROOT, clean_env, kill_group
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             "--master-port", str(port), "-m", "engine", *GENERATE, "--ep", "2"],
+                            cwd=REPO_ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=240)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, err[-3000:]
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    assert len(lines) == 1  # only rank 0 prints
+    assert json.loads(lines[0])["tokens"] == json.loads(engine(*GENERATE, "--ep", "1").stdout)["tokens"]
