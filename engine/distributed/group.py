@@ -44,7 +44,7 @@ def init_group(rank: int, size: int, timeout_s: float, device: torch.device,
         # Under torchrun the agent already serves the store at MASTER_PORT: every rank is a client.
         is_master = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size, is_master,
-                              timeout=datetime.timedelta(seconds=start_timeout_s), wait_for_workers=is_master)
+                              timeout=datetime.timedelta(seconds=start_timeout_s), wait_for_workers=True)
         dist.init_process_group(backend, store=store, rank=rank, world_size=size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
     except Exception as err:  # the store raises its own types (DistStoreError, RuntimeError, TimeoutError)

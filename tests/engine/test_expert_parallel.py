@@ -117,3 +117,19 @@ def test_torchrun_started_ranks_give_the_same_tokens():
     lines = [line for line in out.splitlines() if line.startswith("{")]
     assert len(lines) == 1  # only rank 0 prints
     assert json.loads(lines[0])["tokens"] == json.loads(engine(*GENERATE, "--ep", "1").stdout)["tokens"]
+
+
+def test_serving_ep2_matches_ep1_with_prefix_snapshots_and_speculation(tmp_path):
+    """SSM state rank 0 writes outside a forward (prefix snapshot restores, speculative roll-backs)
+    reaches the other ranks before the next forward: otherwise the tokens would drift."""
+    env = {"CHUNKSCOPE_SSM_TAIL_CKPT": "1", "CHUNKSCOPE_SPECULATION": "ngram"}
+    conns = {}
+    for ep in ("1", "2"):
+        run_dir = tmp_path / f"ep{ep}"
+        done = engine("serve", "--model", "tiny-moe", "--run-dir", str(run_dir), "--workload", "multiturn",
+                      "--requests", "12", "--rate", "100000", "--seed", "5", "--kv-blocks", "64", "--ep", ep, **env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        conns[ep] = sqlite3.connect(f"file:{run_dir / 'telemetry.db'}?mode=ro", uri=True)
+    kinds = "SELECT kind, count(*) FROM events WHERE kind IN ('snapshot_restored', 'spec_step') GROUP BY kind"
+    assert dict(conns["2"].execute(kinds).fetchall()).keys() == {"snapshot_restored", "spec_step"}
+    assert tokens_by_request(tmp_path / "ep2" / "telemetry.db") == tokens_by_request(tmp_path / "ep1" / "telemetry.db")

@@ -118,3 +118,16 @@ def test_a_world_size_that_does_not_divide_the_experts_fails_at_load(moe_checkpo
         load_model(directory, ep_rank=0, ep_size=3)
     with pytest.raises(CheckpointError, match="mixture-of-experts"):
         load_model("tiny", ep_rank=0, ep_size=2)
+
+
+def test_a_qwen3_5_moe_wrapper_config_reads_its_text_config():
+    from engine.model.config import ModelConfig
+
+    text = {**{k: v for k, v in MOE_BASE.items() if k != "tie_word_embeddings"}, "model_type": "qwen3_5_moe_text"}
+    config = ModelConfig.from_hf_dict({"model_type": "qwen3_5_moe", "text_config": text, "tie_word_embeddings": True})
+    assert config.is_moe and config.num_experts == 8 and config.tie_word_embeddings
+    assert config.to_hf_dict()["model_type"] == "qwen3_5_moe_text"
+    with pytest.raises(ConfigError, match="num_experts_per_tok"):
+        ModelConfig.from_hf_dict({**text, "num_experts_per_tok": 9})
+    with pytest.raises(ConfigError, match="missing field"):
+        ModelConfig.from_hf_dict({k: v for k, v in text.items() if k != "moe_intermediate_size"})
