@@ -78,10 +78,12 @@ class WorkerArgs:
     timeout_s: float
     exchange: str
 
-    def argv(self) -> list[str]:
+    def argv(self, rank: int) -> list[str]:
+        # NCCL needs one GPU per rank: rank r of a CUDA run takes cuda:r on this machine.
+        device = f"cuda:{rank}" if self.device.type == "cuda" else str(self.device)
         args = ["--model", self.model, "--kv-blocks", str(self.kv_blocks), "--ssm-slots", str(self.ssm_slots),
                 "--block-size", str(self.block_size), "--dtype", str(self.dtype).removeprefix("torch."),
-                "--device", str(self.device), "--ep", str(self.size), "--ep-timeout", str(self.timeout_s),
+                "--device", device, "--ep", str(self.size), "--ep-timeout", str(self.timeout_s),
                 "--ep-exchange", self.exchange]
         return args + (["--threads", str(self.threads)] if self.threads else [])
 
@@ -93,7 +95,7 @@ def spawn_ranks(spec: WorkerArgs) -> list[subprocess.Popen]:
     children = []
     for rank in range(1, spec.size):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(spec.size)}
-        children.append(subprocess.Popen([sys.executable, "-m", "engine.distributed.worker", *spec.argv()],
+        children.append(subprocess.Popen([sys.executable, "-m", "engine.distributed.worker", *spec.argv(rank)],
                                          env=env, preexec_fn=_die_with_parent))
     return children
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import time
 
@@ -96,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ep-exchange", choices=EXCHANGES, default=EXCHANGE_ALL_TO_ALL)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Ctrl-C reaches the whole process group: rank 0 handles it and stops this rank with its stop word.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_grad_enabled(False)
     if args.threads:
         torch.set_num_threads(args.threads)
