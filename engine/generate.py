@@ -12,6 +12,7 @@ from engine.model.loader import load_model
 from engine.model.runner import ModelRunner
 from engine.scheduler.sampling import SamplingParams, make_generator, sample_next
 from engine.sequence import SequenceState
+from telemetry import cli_args
 
 PREFILL_CHUNK = 512  # bounds peak activation memory on long prompts
 
@@ -45,9 +46,15 @@ def generate(model, tokenizer, prompt: list[int], params: SamplingParams, stop_a
     if len(prompt) >= max_context:
         raise ValueError(f"--prompt-ids: {len(prompt)} tokens do not fit the model's context of {max_context}")
     params.validate(vocab)
+    total = len(prompt) + params.max_tokens
+    if total > max_context:
+        raise ValueError(f"--max-tokens {params.max_tokens}: with the {len(prompt)}-token prompt that is {total} "
+                         f"tokens, more than the model's context of {max_context}")
     if runner is None:
         kv_blocks, ssm_slots = runner_sizes(len(prompt), params.max_tokens)
-        runner = ModelRunner(model, num_kv_blocks=kv_blocks, num_ssm_slots=ssm_slots)
+        weight = next(model.parameters())   # the caches hold what the weights compute in (bfloat16 too)
+        runner = ModelRunner(model, num_kv_blocks=kv_blocks, num_ssm_slots=ssm_slots, device=weight.device,
+                             dtype=weight.dtype)
     seq = SequenceState(request_id=0)
     runner.admit(seq)
     eos_ids = {model.eos_token_id} if model.eos_token_id is not None else set()
@@ -75,15 +82,16 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--prompt-ids", type=str, default=None, help="comma-separated token ids, e.g. 1,2,3")
     parser.add_argument("--prompt", type=str, default=None, help="prompt text (needs the model's tokenizer)")
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--temperature", type=cli_args.finite_float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--top-p", type=cli_args.finite_float, default=1.0)
+    parser.add_argument("--min-p", type=cli_args.finite_float, default=0.0)
+    parser.add_argument("--seed", type=cli_args.seed, default=None)
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--json", action="store_true", help='print {"tokens": [...], "text": ...}')
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--threads", type=cli_args.bounded_int(1, 1024), default=None,
+                        help="torch CPU threads (default: torch's)")
     launch.add_arguments(parser)
     parser.set_defaults(func=run)
 
@@ -134,7 +142,7 @@ def _generate_ep(args: argparse.Namespace, model, tokenizer, prompt: list[int],
         return run_rank(model, rank=rank, size=args.ep, kv_blocks=kv_blocks, ssm_slots=ssm_slots, block_size=16,
                         dtype=spec.dtype, device=spec.device, timeout_s=args.ep_timeout,
                         exchange=args.ep_exchange, checkpoint_hash=digest)
-    runner = ModelRunner(model, num_kv_blocks=kv_blocks, num_ssm_slots=ssm_slots)
+    runner = ModelRunner(model, num_kv_blocks=kv_blocks, num_ssm_slots=ssm_slots, dtype=spec.dtype)
     children = [] if from_torchrun else launch.spawn_ranks(spec)
     ep = launch.start_leader(model, runner, spec, digest, children)
     failed = True

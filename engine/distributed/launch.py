@@ -25,16 +25,17 @@ from engine.distributed.exchange import EXCHANGE_ALL_TO_ALL, EXCHANGES, make_exc
 from engine.distributed.group import DEFAULT_TIMEOUT_S, EPGroup, check_start, init_group, shutdown
 from engine.distributed.leader import EPLeader
 from engine.distributed.worker import start_settings
+from telemetry.cli_args import bounded_float, bounded_int
 
 log = logging.getLogger("chunkscope.ep")
 CHILD_EXIT_WAIT_S = 5.0  # how long a stopped rank gets to leave before it is killed
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--ep", type=int, default=1,
+    parser.add_argument("--ep", type=bounded_int(1, 1024), default=1,
                         help="expert-parallel ranks for a MoE checkpoint (default 1); N > 1 spawns N-1 rank "
                              "processes, or joins the group torchrun started")
-    parser.add_argument("--ep-timeout", type=float, default=DEFAULT_TIMEOUT_S,
+    parser.add_argument("--ep-timeout", type=bounded_float(0.0, 3600.0, low_open=True), default=DEFAULT_TIMEOUT_S,
                         help=f"seconds a rank may take to answer a collective before the run ends "
                              f"(default {DEFAULT_TIMEOUT_S:g})")
     parser.add_argument("--ep-exchange", choices=EXCHANGES, default=EXCHANGE_ALL_TO_ALL,

@@ -78,7 +78,7 @@ def _check_rank_lanes(ep2_db, ep1_db):
     for db, lanes in ((ep2_db, ["rank 0", "rank 1"]), (ep1_db, [])):
         win = timeline_window(db, 1, 3600.0)
         fig = timeline_figure(win.forwards, win.stream_events, win.links, win.preemptions, win.lever_changes,
-                              (win.start_ms, win.end_ms), win.rank_forwards)
+                              (win.start_ms, win.end_ms), rank_forwards=win.rank_forwards)
         assert [name for name in fig.layout.yaxis.ticktext if name.startswith("rank")] == lanes
         assert sorted(win.rank_forwards["rank"].unique().tolist()) == [0, 1][:len(lanes)]
         bars = [t for t in fig.data if t.name == "rank exchange"]
