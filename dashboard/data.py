@@ -12,7 +12,8 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from dashboard import lever_state, queries_chunks, queries_live, queries_prefix, queries_requests, queries_runs
+from dashboard import (lever_state, queries_api, queries_chunks, queries_live, queries_prefix, queries_requests,
+                       queries_runs)
 from dashboard.db import DataUnavailable, query_one
 from dashboard.queries_chunks import ChunkFilter
 
@@ -50,6 +51,11 @@ def live_counters(db: str, run_id: int, version: Version, window_s: float) -> di
 @st.cache_data(max_entries=_ENTRIES, show_spinner=False)
 def timeline_window(db: str, run_id: int, version: Version, window_s: float):
     return queries_live.timeline_window(Path(db), run_id, window_s)
+
+
+@st.cache_data(max_entries=_ENTRIES, show_spinner=False)
+def api_activity(db: str, run_id: int, version: Version, end_ns: int, window_s: float) -> dict:
+    return queries_api.api_activity(Path(db), run_id, end_ns, window_s)
 
 
 @st.cache_data(max_entries=_ENTRIES, show_spinner=False)

@@ -66,6 +66,8 @@ def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: Lev
     runner = ModelRunner(model, num_kv_blocks=kv_blocks, num_ssm_slots=ssm_slots,
                          block_size=BLOCK_SIZE, device=device, dtype=dtype, fault=fault)
     scheduler = Scheduler(runner, levers, emit=emit, run_seed=seed, prefix_cache=prefix_cache)
+    if tokenizer is not None:
+        scheduler.detokenize = tokenizer.decode
     engine_config = {"kv_blocks": kv_blocks, "block_size": BLOCK_SIZE, "ssm_slots": ssm_slots,
                      "device": device, "dtype": str(dtype).removeprefix("torch."), "seed": seed,
                      "prefix_cache": prefix_cache, "threads": torch.get_num_threads()}

@@ -32,6 +32,8 @@ from engine.engine_setup import build_engine, checkpoint_dir_of, checkpoint_hash
 from engine.model.fault import ForwardFault
 from engine.replay_compare import ReplayedRequest, ReplayedRun, compare, text_report
 from engine.replay_record import RecordedRun, ReplayInputError, load_recorded_run
+from engine.request_features import CLIENT_DISCONNECTED
+from engine.scheduler.loop import CANCELLED_PREFIX
 from telemetry import events as ev
 from telemetry.levers import LEVERS_BY_NAME, LeverValues, LeversError, defaults
 from telemetry import cli_args
@@ -158,16 +160,21 @@ def drive(sched, recorded: RecordedRun, flips: dict[str, Any], *, cut_at_tick: i
     Returns the submitted Request objects (in submission order) and the lever log."""
     pending = deque(recorded.requests)
     changes = deque(recorded.lever_changes)
+    # API clients that went away: cancelled again at the tick boundary where the engine cancelled them.
+    disconnects = deque(sorted((r for r in recorded.requests if r.status == ev.REQ_CANCELLED and
+                                r.error == f"{CANCELLED_PREFIX}{CLIENT_DISCONNECTED}"), key=lambda r: r.tick))
     lever_log: list[dict] = []
     submitted: list[Any] = []
 
     def submit(record: ev.RequestRecord) -> None:
         submitted.append(sched.submit(record.request_id, list(record.prompt_tokens), dict(record.sampling),
-                                      conversation_id=record.conversation_id))
+                                      conversation_id=record.conversation_id, features=record.features or None))
 
     def arrivals_and_levers() -> None:
         while pending and pending[0].arrival_tick <= sched.tick:
             submit(pending.popleft())
+        while disconnects and disconnects[0].tick <= sched.tick and not flips:
+            sched.cancel(disconnects.popleft().request_id, CLIENT_DISCONNECTED)
         due: dict[str, Any] = {}
         while changes and changes[0].tick <= sched.tick:
             change = changes.popleft()

@@ -19,6 +19,7 @@ import torch
 
 from engine.distributed import launch, serve_ranks
 from engine.distributed.worker import EXIT_RANK_FAILURE
+from engine.api.launch import add_arguments as add_api_arguments, start_api
 from engine.engine_setup import EngineSetup, build_engine, run_started_row
 from engine.lever_watch import LeverWatcher
 from engine.run_dir_lock import lock_run_dir
@@ -46,7 +47,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--model", default="tiny", help="'tiny' (embedded default) or a checkpoint directory")
     p.add_argument("--run-dir", required=True, help="directory for telemetry.db and levers.json")
     p.add_argument("--workload", default="synthetic",
-                   help="synthetic | multiturn | trace:PATH | bundle:PATH (default synthetic)")
+                   help="synthetic | multiturn | trace:PATH | bundle:PATH | none (API traffic only; default synthetic)")
     p.add_argument("--rate", type=bounded_float(0.0, 1e6, low_open=True), default=4.0,
                    help="arrival rate, requests/s (synthetic, multiturn)")
     p.add_argument("--requests", type=cli_args.positive_int, default=None,
@@ -68,6 +69,7 @@ def add_parser(subparsers) -> None:
                    help="reuse cached prompt prefixes (KV blocks + SSM snapshots); default on")
     p.add_argument("--no-telemetry", action="store_true", help="run without writing telemetry (benchmarks)")
     launch.add_arguments(p)
+    add_api_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -95,9 +97,14 @@ def run(args: argparse.Namespace) -> int:
     ep_run = serve_ranks.start(args, setup, from_torchrun, run_dir) if args.ep > 1 else None
     feed = WorkloadFeed.from_args(args, setup)
     writer, telemetry_error = None, None
+    api = start_api(args, setup, lambda: writer.num_dropped if writer is not None else 0)
+    if api is not None:
+        feed.describe_api(api.server.url)
     if not args.no_telemetry:
         writer, telemetry_error = _open_telemetry(db_path, setup, args, feed)
     sched = setup.scheduler
+    if api is not None:  # /metrics sees every event the writer sees
+        sched.attach_telemetry(api.metrics.tee(writer.emit if writer is not None else None))
     sched.keep_recent_done(DONE_KEPT)
     status_file = StatusReporter(run_dir)
     _log_env_levers(sched)
@@ -112,7 +119,11 @@ def run(args: argparse.Namespace) -> int:
             elapsed = time.monotonic() - t_start
             if args.duration is not None and elapsed >= args.duration:
                 break
+            if api is not None:
+                api.before_tick(sched)
             for spec in feed.due(elapsed):
+                if api is not None:
+                    spec.request_id = api.new_request_id()
                 _submit(sched, spec)
             _poll_levers(sched, watcher)
             if ep_run is not None:
@@ -126,12 +137,18 @@ def run(args: argparse.Namespace) -> int:
                         status_file.maybe_write(_status_fields(sched, writer, telemetry_error, "serving", stall),
                                                 force=True)
                     # Nothing can run until a lever changes, a request arrives or a stop comes.
-                    watcher.wait_for_change(min(STALL_WAIT_S, max(0.0, feed.next_arrival_s() - elapsed),
-                                                ep_run.leader.keepalive_s if ep_run is not None else STALL_WAIT_S))
-            elif feed.is_exhausted:
+                    wait_s = min(STALL_WAIT_S, max(0.0, feed.next_arrival_s() - elapsed))
+                    if api is not None:   # an API request (or a cancel that frees room) may end the stall too
+                        api.bridge.wait(min(wait_s, IDLE_SLEEP_S))
+                    else:
+                        watcher.wait_for_change(wait_s)
+            elif feed.is_exhausted and api is None:
                 break
             else:
-                time.sleep(min(IDLE_SLEEP_S, max(0.0, feed.next_arrival_s() - elapsed)))
+                idle_s = min(IDLE_SLEEP_S, max(0.0, feed.next_arrival_s() - elapsed))
+                api.bridge.wait(idle_s) if api is not None else time.sleep(idle_s)
+            if api is not None:
+                api.after_tick(sched)
     except RankFailure as exc:  # a dead or hung rank ends the whole run, never only its requests
         log.error("run failed at tick %d: %s", sched.tick, exc)
         status, exit_code = "failed", EXIT_RANK_FAILURE
@@ -145,6 +162,9 @@ def run(args: argparse.Namespace) -> int:
         watcher.stop()
         sched.stop(**({"reason": "the run failed: an expert-parallel rank died or hung"}
                       if status == "failed" else {}))
+        if api is not None:
+            api.bridge.close(sched)
+            api.server.stop()
         if writer is not None:
             writer.close(status)
         status_file.maybe_write(_status_fields(sched, writer, telemetry_error, status, stall), force=True)
@@ -198,7 +218,7 @@ def _status_fields(sched, writer, telemetry_error: str | None, state: str, stall
 
 def _submit(sched, spec: RequestSpec) -> None:
     request = sched.submit(spec.request_id, spec.prompt_tokens, spec.sampling,
-                           conversation_id=spec.conversation_id)
+                           conversation_id=spec.conversation_id, features=spec.features)
     if request.status == ev.REQ_REJECTED:
         log.warning("request %d rejected: %s", spec.request_id, request.error)
 

@@ -25,6 +25,8 @@ class WorkloadFeed:
         kind, _, path = args.workload.partition(":")
         common = {"vocab_size": setup.config.vocab_size, "excluded_ids": setup.special_ids}
         limit = args.requests
+        if kind == "none":  # API traffic only
+            return cls(iter(()), {"kind": "none"})
         if kind == "synthetic":
             if limit is None:
                 return cls(_endless_synthetic(args, common), {"kind": "synthetic", "rate": args.rate,
@@ -42,7 +44,7 @@ class WorkloadFeed:
             from engine.workload.bundle import BundleWorkload
             workload = BundleWorkload(path)
         else:
-            raise WorkloadError(f"--workload must be synthetic, multiturn, trace:PATH or bundle:PATH, "
+            raise WorkloadError(f"--workload must be synthetic, multiturn, trace:PATH, bundle:PATH or none, "
                                 f"got {args.workload!r}")
         specs = list(workload)
         if limit is not None:
@@ -51,6 +53,10 @@ class WorkloadFeed:
 
     def describe(self) -> dict[str, Any]:
         return dict(self._description)
+
+    def describe_api(self, url: str) -> None:
+        """The run also serves API requests at ``url`` (shown with the workload)."""
+        self._description["api"] = url
 
     @property
     def is_exhausted(self) -> bool:

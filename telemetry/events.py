@@ -143,6 +143,7 @@ class ChunkDecision(Event):
     outcome: str = OUTCOME_OK           # one of CHUNK_OUTCOMES
     num_preempted: int = 0              # victims this chunk needed
     ep_broadcast_ns: int | None = None  # under expert parallelism: rank 0's broadcast before the forward
+    first_token_rules: str | None = None  # last chunk: the first-token rules that fired, comma-separated
 
 
 @dataclass
@@ -189,6 +190,9 @@ class RequestRecord(Event):
     prompt_tokens: list[int] = field(default_factory=list)
     output_tokens: list[int] = field(default_factory=list)
     conversation_id: int | None = None
+    source: str | None = None           # api / workload
+    features: dict[str, Any] = field(default_factory=dict)  # thinking, tool call, stop strings, logprobs
+    first_token_rules: str | None = None  # the first-token rules that fired, comma-separated
 
 
 @dataclass

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import charts, context, data, engine_panel, heartbeat_view, live_timeline, prefix_panel
+from dashboard import api_panel, charts, context, data, engine_panel, heartbeat_view, live_timeline, prefix_panel
 from dashboard.context import RunContext
 from dashboard.db import DataUnavailable
 from dashboard.queries_live import MAX_STREAM_EVENTS
@@ -71,6 +71,7 @@ def render(ctx: RunContext) -> None:
     left.dataframe(latency.drop(columns="scope").round(2), hide_index=True, key="live_latency_table")
     left.caption(f"latency over the {latency['scope'].iloc[0]}")
     right.plotly_chart(charts.latency_figure(latency), key="live_latency", width="stretch")
+    api_panel.render(ctx, end_ns, window_s)
     prefix_panel.render(ctx)
 
 

@@ -12,8 +12,9 @@ from telemetry import events as ev
 STATUSES = ev.REQUEST_STATUSES
 
 # prefix columns next to the prompt: a hybrid model's miss reason is the first thing to read
-TABLE_COLUMNS = ["request_id", "status", "prompt_len", "prefix_hit_tokens", "prefix_hit_ratio", "prefix_miss_reason",
-                 "output_len", "ttft_ms", "e2e_ms", "finish_reason", "error"]
+TABLE_COLUMNS = ["request_id", "source", "status", "prompt_len", "prefix_hit_tokens", "prefix_hit_ratio",
+                 "prefix_miss_reason",
+                 "output_len", "ttft_ms", "e2e_ms", "finish_reason", "first_token_rules", "error"]
 
 st.title("Requests")
 

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.cache.kv import KVCacheExhausted
-from engine.scheduler import forward_failure, outputs, spec_step
+from engine.scheduler import forward_failure, logprobs, outputs, spec_step
 from engine.scheduler.adaptive import params_for_row
 from engine.scheduler.mixing import decode_order
 from engine.scheduler.preempt import VictimCandidate, choose_victim as pick_victim
@@ -83,7 +83,8 @@ def process_logits(sched: Scheduler, batch: list[Request], logits: torch.Tensor)
         logits, params, [a.generator for a in batch],
         [a.num_generated for a in batch], sched.eos_ids,
         min_p_override=[effective_min_p(a.params, levers.speculation, levers.no_mtp_minp) for a in batch])
-    for request, token in zip(batch, tokens.tolist()):
+    for row, (request, token) in enumerate(zip(batch, tokens.tolist())):
+        logprobs.record(request, logits[row], token)
         outputs.append_token(sched, request, token)
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from engine.cache.ssm_pool import SSMPoolExhausted
 from engine.model.runner import ModelRunner
+from engine.request_features import RequestFeatures
 from engine.scheduler import decode_step, prefill_step, prefix_step
 from engine.scheduler.adaptive import StructureTokens, region_of
 from engine.scheduler.admission import RequestRejected, check_prompt, parse_sampling
@@ -53,6 +54,8 @@ class Scheduler:
         self.structure_tokens = StructureTokens(model.code_fence_id, model.tool_call_start_id,
                                                 model.tool_call_end_id)
         self.max_context = runner.config.max_position_embeddings
+        # Token ids -> text, for stop strings (set by build_engine when the checkpoint has a tokenizer).
+        self.detokenize: Callable[[list[int]], str] | None = None
         self.streams = StreamSet(runner.device, self._on_stream_event)
         self.runner.block_manager.set_cap(levers.kv_blocks_cap or None)
         self.prefix = prefix_step.PrefixStep(self) if prefix_cache else None
@@ -123,9 +126,11 @@ class Scheduler:
 
     # ---- requests -----------------------------------------------------------------------
     def submit(self, request_id: int, prompt_tokens: list[int], sampling: dict | Any,
-               *, conversation_id: int | None = None) -> Request:
+               *, conversation_id: int | None = None,
+               features: RequestFeatures | dict | None = None) -> Request:
         """Queue a request, or reject it at once with a message naming the bad field."""
         try:
+            feats = self._check_features(features)
             params = parse_sampling(sampling, self.runner.vocab_size)
             if params.seed is None and not params.is_greedy:
                 # Every sampled request gets a seed so its run can be replayed exactly.
@@ -141,16 +146,33 @@ class Scheduler:
             request.sampling_record = dict(sampling) if isinstance(sampling, dict) else {}
             request.prompt_tokens = [t for t in prompt_tokens if isinstance(t, int)] if isinstance(
                 prompt_tokens, (list, tuple)) else []
+            request.features_record = features.to_dict() if isinstance(features, RequestFeatures) else \
+                dict(features) if isinstance(features, dict) else {}
+            if isinstance(features, RequestFeatures):   # an API request stays one in its row
+                request.features = features
             request.status, request.error, request.finish_reason = ev.REQ_REJECTED, str(exc), "error"
             request.finished_ns = request.arrival_ns
             self.mark_done([request])
             self.emit_request(request, "rejected", str(exc))
             return request
-        request = Request(request_id, tokens, params, self.now_ns(), self.tick, conversation_id)
+        request = Request(request_id, tokens, params, self.now_ns(), self.tick, conversation_id, feats)
         request.region = region_of(tokens, self.structure_tokens)
         self.waiting.append(request)
         self.emit_request(request, "arrived")
         return request
+
+    def _check_features(self, features: RequestFeatures | dict | None) -> RequestFeatures:
+        """The request's features, validated against what this model can do."""
+        try:
+            feats = features if isinstance(features, RequestFeatures) else RequestFeatures.from_dict(features)
+            feats.validate()
+        except (TypeError, ValueError) as exc:
+            raise RequestRejected(str(exc)) from None
+        if feats.stop_strings and self.detokenize is None:
+            raise RequestRejected("features.stop_strings: the checkpoint has no tokenizer to read text with")
+        if feats.require_tool_call and self.runner.model.tool_call_start_id is None:
+            raise RequestRejected("features.require_tool_call: the model has no tool-call start token")
+        return feats
 
     @property
     def has_work(self) -> bool:

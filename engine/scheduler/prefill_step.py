@@ -14,7 +14,7 @@ import torch
 
 from engine.cache.kv import KVCacheExhausted
 from engine.cache.ssm_pool import SSMSnapshot
-from engine.scheduler import decode_step, forward_failure, outputs, prefix_step
+from engine.scheduler import decode_step, forward_failure, logprobs, outputs, prefix_step
 from engine.scheduler.adaptive import params_for_row
 from engine.scheduler.chunk_plan import ChunkPlan, plan_chunk
 from engine.scheduler.first_token import FirstTokenPolicy, sample_first_token
@@ -206,11 +206,14 @@ def _first_token(sched: Scheduler, req: Request, logits: torch.Tensor, row: ev.C
     """Sample token 0 under the first-token policy; the request joins the decode batch."""
     model = sched.runner.model
     try:
-        policy = FirstTokenPolicy.for_birth(False, model.think_end_id, model.tool_call_start_id,
-                                            req.params.min_tokens, False)
+        features = req.features
+        policy = FirstTokenPolicy.for_birth(features.enable_thinking, model.think_end_id, model.tool_call_start_id,
+                                            req.params.min_tokens, features.require_tool_call)
+        req.first_token_rules = row.first_token_rules = ",".join(policy.rules) or None
         min_p = effective_min_p(req.params, sched.levers.speculation, sched.levers.no_mtp_minp)
         params = params_for_row(req.params, req.region, sched.levers.adaptive_sampling)
         token = sample_first_token(logits, params, req.generator, policy, sched.eos_ids, min_p)
+        logprobs.record(req, logits, token)
     except Exception as exc:
         row.outcome = ev.OUTCOME_FAILED_FIRST_TOKEN
         forward_failure.end_requests(sched, [req], exc, stage=forward_failure.STAGE_FIRST_TOKEN, path=row.path)

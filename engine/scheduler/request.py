@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from engine.request_features import RequestFeatures
 from engine.scheduler.adaptive import Region
 from engine.scheduler.sampling import SamplingParams
 from engine.sequence import SequenceState
@@ -26,6 +27,7 @@ class Request:
     arrival_ns: int
     arrival_tick: int
     conversation_id: int | None = None
+    features: RequestFeatures = field(default_factory=RequestFeatures)
     seq: SequenceState = field(init=False)
     generator: torch.Generator | None = field(init=False)
     status: str = ev.REQ_WAITING
@@ -52,6 +54,11 @@ class Request:
     pending_snapshot: Any = None
     region: Region = field(default_factory=Region)   # inside a code fence / tool call (adaptive sampling)
     sampling_record: dict | None = None               # the sampling as stored (built once: params never change)
+    features_record: dict | None = None               # the features as stored (built once)
+    first_token_rules: str | None = None              # which first-token rules fired (set at token 0)
+    # With features.logprobs: per output token (its logprob, [(id, logprob)] of the top k).
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    stop_string: str | None = None                    # the stop string that ended the output, if any
 
     def __post_init__(self) -> None:
         self.seq = SequenceState(request_id=self.request_id)
@@ -97,5 +104,11 @@ class Request:
             # The prompt never changes after submit, so the row shares it; the output grows,
             # so the row gets a copy (the writer encodes it later, on its own thread).
             prompt_tokens=self.prompt_tokens, output_tokens=list(self.output_tokens),
-            conversation_id=self.conversation_id,
+            conversation_id=self.conversation_id, source=self.features.source,
+            features=self._features_dict(), first_token_rules=self.first_token_rules,
         )
+
+    def _features_dict(self) -> dict:
+        if self.features_record is None:
+            self.features_record = self.features.to_dict()
+        return self.features_record

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.model import verify
-from engine.scheduler import outputs
+from engine.scheduler import logprobs, outputs
 from engine.scheduler.adaptive import advance, params_for_row
 from engine.scheduler.mixing import SPEC_NGRAM
 from engine.scheduler.ngram import propose_drafts
@@ -98,7 +98,8 @@ def run(sched: Scheduler) -> int | None:
         logits = verify.verify_forward(runner, seq, [fed] + drafts)  # [k+1, V]
         emitted = accept(sched, req, logits, drafts)
     num_accepted = len(emitted) - 1
-    for token in emitted:
+    for row, token in enumerate(emitted):
+        logprobs.record(req, logits[row], token)
         outputs.append_token(sched, req, token)
         if req.finished_ns is not None:
             break           # finished: its caches are released, nothing to roll back

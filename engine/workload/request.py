@@ -29,6 +29,7 @@ class RequestSpec:
     conversation_id: int | None = None
     turn: int | None = None
     arrival_tick: int | None = None  # set when replaying a recorded run
+    features: dict[str, Any] | None = None  # RequestFeatures as a dict (source, thinking, tool call, ...)
 
     @property
     def prompt_len(self) -> int:
@@ -49,6 +50,7 @@ class RequestSpec:
             "seed": self.sampling.get("seed"),
             "conversation_id": self.conversation_id,
             "turn": self.turn,
+            "features": self.features,
         }
 
 
