@@ -10,7 +10,7 @@ Time convention: a tick's ``t_ns`` is when its forward started and
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
@@ -18,11 +18,14 @@ import pandas as pd
 from dashboard.db import percentile_sql, query_df, query_one
 from dashboard.queries_totals import run_totals_of
 from telemetry.events import EVENT_KV_QUANT_STATE
+from dashboard.rank_lanes import empty_rank_forwards
+from telemetry.events import EVENT_EP_FORWARD
 
 MAX_RAW_FORWARDS = 4_000       # past this many forwards in the window, bucket them in SQL (a screen is ~1,500 px wide)
 NUM_BUCKETS = 1_500
 MAX_STREAM_EVENTS = 1_500
 MAX_MARKERS = 500
+MAX_RANK_FORWARDS = 4_000      # per-rank bars (ranks x forwards) drawn at most
 ITL_RECENT_TOKENS = 20_000     # live ITL percentiles look at the newest tokens only
 RECENT_REQUESTS = 2_000        # live TTFT / e2e percentiles: the newest requests only
 ITL_SAMPLE_TOKENS = 10_000     # whole-run ITL: sample whole requests down to about this many tokens
@@ -44,6 +47,8 @@ class TimelineWindow:
     is_bucketed: bool
     stream_events_capped: bool = False   # MAX_STREAM_EVENTS reached: older ones in the window not drawn
     kv_quant_changes: pd.DataFrame | None = None  # InnerQ calibration state changes in the window
+    # Expert parallelism: each rank's share of each forward (empty otherwise), dashboard/rank_lanes.py.
+    rank_forwards: pd.DataFrame = field(default_factory=empty_rank_forwards)
 
 
 def latest_tick(db: Path, run_id: int) -> dict | None:
@@ -130,7 +135,8 @@ def timeline_window(db: Path, run_id: int, window_s: float) -> TimelineWindow | 
     return TimelineWindow(forwards, streams, _links(streams), preemptions, levers,
                           start_ns / NS_PER_MS, end_ns / NS_PER_MS, num_forwards, is_bucketed,
                           stream_events_capped=len(streams) >= MAX_STREAM_EVENTS,
-                          kv_quant_changes=kv_quant_changes(kv_quant))
+                          kv_quant_changes=kv_quant_changes(kv_quant),
+                          rank_forwards=_rank_forwards(db, run_id, first_tick))
 
 
 def kv_quant_changes(rows: pd.DataFrame) -> pd.DataFrame:
@@ -150,6 +156,20 @@ def kv_quant_status(db: Path, run_id: int) -> dict | None:
     detail = json.loads(row["detail"]) if isinstance(row["detail"], str) else {}
     return {"tick": row["tick"], "old": detail.get("old"), "new": detail.get("new"),
             "kv_cache_dtype": detail.get("kv_cache_dtype")}
+
+
+def _rank_forwards(db: Path, run_id: int, first_tick: int) -> pd.DataFrame:
+    """The newest ``ep_forward`` events of the window (one per rank per forward), oldest first."""
+    frame = query_df(db, """
+        SELECT * FROM (
+            SELECT json_extract(detail, '$.rank') AS rank, tick, t_ns / 1e6 AS start_ms,
+                   json_extract(detail, '$.broadcast_ns') / 1e6 AS broadcast_ms,
+                   json_extract(detail, '$.expert_ns') / 1e6 AS expert_ms,
+                   json_extract(detail, '$.exchange_ns') / 1e6 AS exchange_ms,
+                   json_extract(detail, '$.forward_ns') / 1e6 AS forward_ms
+            FROM events WHERE run_id = ? AND kind = ? AND tick >= ? ORDER BY tick DESC, id DESC LIMIT ?)
+        ORDER BY start_ms""", [run_id, EVENT_EP_FORWARD, first_tick, MAX_RANK_FORWARDS])
+    return frame if not frame.empty else empty_rank_forwards()
 
 
 def _newest(db: Path, sql: str, run_id: int) -> int:

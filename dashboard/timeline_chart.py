@@ -4,7 +4,8 @@ Lanes, top to bottom: ``events`` (preemption, lever-change and KV quantization s
 ``scheduler`` (one bar per forward, coloured by path), ``roofline`` (each
 forward's share of its roofline, red 0% to green 100%), then one lane per
 stream (``default``, ``prefill``, ``secondary``) with record / wait / sync
-markers, GPU-timed intervals and record -> wait links.
+markers, GPU-timed intervals and record -> wait links; under expert
+parallelism one lane per rank below them (``rank_lanes.py``).
 
 Horizontal ``go.Bar`` (base=start, x=duration) gives a millisecond Gantt
 chart; past ``WEBGL_THRESHOLD`` intervals the forwards become ``Scattergl``
@@ -17,6 +18,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from dashboard.palette import FALLBACK_COLOR, KIND_COLORS, KIND_SYMBOLS, LEVER_COLOR, PATH_COLORS, path_color
+from dashboard.rank_lanes import empty_rank_forwards, rank_lane_traces
 
 LANES = ("events", "scheduler", "roofline", "default", "prefill", "secondary")
 STREAM_LANES = ("default", "prefill", "secondary")
@@ -192,6 +194,7 @@ def timeline_figure(
     x_range: tuple[float, float] | None = None,
     stream_events_cap: int | None = None,
     kv_quant_changes: pd.DataFrame | None = None,
+    rank_forwards: pd.DataFrame | None = None,
 ) -> go.Figure:
     """Build the lane timeline.
 
@@ -216,6 +219,10 @@ def timeline_figure(
     traces += _roofline_trace(forwards, webgl)
     traces += _stream_traces(stream_events, links) + _marker_traces(preemptions, lever_changes)
     traces += _kv_quant_traces(kv_quant_changes)
+    # Expert parallelism: one lane per rank below the stream lanes (dashboard/rank_lanes.py).
+    rank_traces, rank_y, rank_names = rank_lane_traces(
+        rank_forwards if rank_forwards is not None else empty_rank_forwards(), -1.0)
+    traces += rank_traces
     fig = go.Figure(traces)
     # Drawn in its own frame (live_timeline.py), outside Streamlit's chart theme: an explicit
     # template (Streamlit's default one holds placeholder colours its own chart swaps) and
@@ -225,14 +232,17 @@ def timeline_figure(
         margin={"l": 10, "r": 10, "t": 30, "b": 40},
         legend={"orientation": "h", "y": 1.12},
         xaxis={"title": "ms since run start", "range": list(x_range) if x_range else None},
-        yaxis={"tickmode": "array", "tickvals": [LANE_Y[lane] for lane in LANES], "ticktext": list(LANES),
-               "range": [-0.5, len(LANES) - 0.5], "zeroline": False, "fixedrange": True, "automargin": True},
+        yaxis={"tickmode": "array", "tickvals": [LANE_Y[lane] for lane in LANES] + rank_y,
+               "ticktext": list(LANES) + rank_names, "range": [-0.5 - len(rank_y), len(LANES) - 0.5],
+               "zeroline": False, "fixedrange": True, "automargin": True},
     )
     _lever_lines(fig, lever_changes)
     if stream_events_cap:
         fig.add_annotation(text=f"stream events: only the newest {stream_events_cap:,} in this window are drawn",
                            xref="paper", yref="paper", x=0, y=-0.18, showarrow=False, xanchor="left",
                            font={"size": 11, "color": "#8c564b"})
+    if rank_y:
+        fig.update_layout(height=380 + 40 * len(rank_y))
     return fig
 
 

@@ -18,6 +18,9 @@ COMMANDS = [generate, serve, replay]
 from engine.cache.kv import KVCacheExhausted  # noqa: E402
 from engine.cache.ssm_pool import SSMPoolExhausted  # noqa: E402
 from engine.model.loader import CheckpointError  # noqa: E402
+from engine.model.errors import RankFailure  # noqa: E402
+
+EXIT_RANK_FAILURE = 3
 
 USER_ERRORS = (ValueError, CheckpointError, KVCacheExhausted, SSMPoolExhausted, OSError)
 TRACEBACK_ENV = "CHUNKSCOPE_TRACEBACK"   # set to 1 to see the traceback of an unexpected error
@@ -39,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as err:
         print(f"error: {one_line(err)}", file=sys.stderr)
         return 2
+    except RankFailure as err:  # an expert-parallel rank died or hung: the run ended, every rank exits
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_RANK_FAILURE
     except MemoryError:
         print("error: out of memory: ask for fewer KV blocks, SSM slots or tokens", file=sys.stderr)
         return 2

@@ -16,6 +16,7 @@ import torch
 
 from engine.kv_cache_args import budget_bytes, kv_quant_config
 from engine.model.cpu_features import cpu_flags, isa_summary, resolve_dtype
+from engine.model.embedded import EMBEDDED_MODELS, checkpoint_dir_of  # noqa: F401  (callers import it here)
 from engine.model.fault import ForwardFault
 from engine.model.loader import load_model
 from engine.model.runner import ModelRunner
@@ -46,33 +47,28 @@ class EngineSetup:
         return {i for i in (getattr(self.model, n, None) for n in names) if i is not None}
 
 
-def checkpoint_dir_of(name_or_dir: str) -> Path:
-    if name_or_dir == "tiny":
-        from engine.model.tiny import ensure_tiny_checkpoint
-        return ensure_tiny_checkpoint()
-    return Path(name_or_dir).expanduser()
-
-
 def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: LeverValues,
                  seed: int = 0, device: str | None = None, dtype: torch.dtype | str = torch.float32,
                  emit=None, prefix_cache: bool = True, threads: int | None = None,
-                 fault: ForwardFault | None = None, kv_cache: dict[str, Any] | None = None) -> EngineSetup:
+                 fault: ForwardFault | None = None, kv_cache: dict[str, Any] | None = None,
+                 ep_size: int = 1) -> EngineSetup:
     """``fault``: the test-only forward fault hook (``engine/model/fault.py``), recorded in the config.
     ``kv_cache``: ``kv_cache_options`` (format, byte budget, InnerQ windows), recorded in the config.
     ``dtype``: a torch dtype, or a ``--dtype`` choice ('auto' picks by the CPU's flags, cpu_features.py).
+    ``ep_size`` > 1: load rank 0's share of a MoE model's experts (``engine/distributed`` starts the ranks).
     """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype_choice = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
     dtype = getattr(torch, resolve_dtype(dtype_choice, device=device))
     # Tiny ops gain nothing from a thread team, and on a shared, busy machine its
     # spin-waits cost 10x: the tiny model runs single-threaded unless told otherwise.
-    threads = threads or (1 if model_name == "tiny" else None)
+    threads = threads or (1 if model_name in EMBEDDED_MODELS else None)
     if threads:
         torch.set_num_threads(threads)
     if kv_blocks < 1 or ssm_slots < 1:
         raise ValueError(f"--kv-blocks and --ssm-slots must be >= 1, got {kv_blocks} and {ssm_slots}")
     directory = checkpoint_dir_of(model_name)
-    model, config, tokenizer = load_model(directory, dtype=dtype, device=device)
+    model, config, tokenizer = load_model(directory, dtype=dtype, device=device, ep_size=ep_size)
     kv_cache = dict(kv_cache or {"kv_cache_dtype": "auto"})
     runner = ModelRunner(model, num_kv_blocks=kv_blocks, num_ssm_slots=ssm_slots,
                          block_size=BLOCK_SIZE, device=device, dtype=dtype, fault=fault,
@@ -132,7 +128,7 @@ def run_started_row(setup: EngineSetup, args: Any, workload: dict[str, Any], arg
     config_path = setup.checkpoint_dir / "config.json"
     model_config = json.loads(config_path.read_text()) if config_path.exists() else {}
     return RunStarted(
-        started_at=time.time(), model=setup.model_name if setup.model_name == "tiny" else setup.checkpoint_dir.name,
+        started_at=time.time(), model=setup.model_name if setup.model_name in EMBEDDED_MODELS else setup.checkpoint_dir.name,
         device=device_description(setup.engine_config["device"]), config=setup.engine_config,
         model_config=model_config, versions=versions(), workload=workload,
         levers=setup.scheduler.levers.as_dict(), command_line=" ".join(["python -m engine", *argv[1:]])

@@ -12,6 +12,7 @@ from engine.kv_cache_args import add_kv_cache_args, budget_bytes, kv_cache_optio
 from engine.grammar import masks
 from engine.grammar.compiler import GrammarCompiler
 from engine.grammar.spec import GrammarSpec
+from engine.distributed import launch
 from engine.model.loader import load_model
 from engine.model.runner import ModelRunner
 from engine.scheduler.sampling import SamplingParams, make_generator, sample_next
@@ -28,13 +29,20 @@ def parse_ids(text: str) -> list[int]:
         raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
 
 
+def runner_sizes(prompt_len: int, max_tokens: int) -> tuple[int, int]:
+    """(KV blocks, SSM slots) for one sequence of prompt + max_tokens tokens."""
+    return -(-(prompt_len + max_tokens) // 16) + 1, 1
+
+
 def generate(model, tokenizer, prompt: list[int], params: SamplingParams, stop_at_eos: bool = True,
-             grammar: dict | None = None, kv_cache: dict | None = None) -> dict:
+             grammar: dict | None = None, kv_cache: dict | None = None,
+             runner: ModelRunner | None = None) -> dict:
     """Greedy or sampled continuation of ``prompt``; returns {"tokens": [...], "text": str | None}, plus
     "kv_cache_dtype" and "kv_quant_state" with InnerQ. ``kv_cache``: ``kv_cache_options`` (default auto).
 
     ``grammar`` (``engine/grammar/spec.py``) constrains the output: every step's logits are
     masked, and generation stops when the grammar is complete ("finish_reason": "stop").
+    ``runner``: one sized by ``runner_sizes`` (expert parallelism builds it before the ranks start).
     """
     kv_cache = kv_cache or {"kv_cache_dtype": "auto"}
     vocab = model.config.vocab_size
@@ -52,9 +60,12 @@ def generate(model, tokenizer, prompt: list[int], params: SamplingParams, stop_a
     if total > max_context:
         raise ValueError(f"--max-tokens {params.max_tokens}: with the {len(prompt)}-token prompt that is {total} "
                          f"tokens, more than the model's context of {max_context}")
-    weight = next(model.parameters())   # the caches hold what the weights compute in (bfloat16 too)
-    runner = ModelRunner(model, num_kv_blocks=-(-total // 16) + 1, num_ssm_slots=1, device=weight.device,
-                         dtype=weight.dtype, kv_quant=kv_quant_config(kv_cache), kv_budget_bytes=budget_bytes(kv_cache))
+    if runner is None:
+        kv_blocks, ssm_slots = runner_sizes(len(prompt), params.max_tokens)
+        weight = next(model.parameters())   # the caches hold what the weights compute in (bfloat16 too)
+        runner = ModelRunner(model, num_kv_blocks=kv_blocks, num_ssm_slots=ssm_slots, device=weight.device,
+                             dtype=weight.dtype, kv_quant=kv_quant_config(kv_cache),
+                             kv_budget_bytes=budget_bytes(kv_cache))
     seq = SequenceState(request_id=0)
     runner.admit(seq)
     eos_ids = {model.eos_token_id} if model.eos_token_id is not None else set()
@@ -138,6 +149,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--regex", default=None, help="constrain the output to match this regex (fully)")
     parser.add_argument("--choice", default=None, metavar="A,B,...", help="the output is exactly one of these")
     add_kv_cache_args(parser)
+    parser.add_argument("--threads", type=cli_args.bounded_int(1, 1024), default=None,
+                        help="torch CPU threads (default: torch's)")
+    launch.add_arguments(parser)
     parser.set_defaults(func=run)
 
 
@@ -146,7 +160,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("give exactly one of --prompt-ids and --prompt")
     kv_cache = kv_cache_options(args)
     torch.set_grad_enabled(False)
-    model, _, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rank, _ = launch.rank_of(args.ep)
+    model, _, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), ep_rank=rank, ep_size=args.ep)
     if args.prompt is not None:
         if tokenizer is None:
             raise ValueError(f"--prompt: {args.model} has no tokenizer.json; use --prompt-ids")
@@ -155,11 +172,45 @@ def run(args: argparse.Namespace) -> int:
         prompt = parse_ids(args.prompt_ids)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             min_p=args.min_p, max_tokens=args.max_tokens, seed=args.seed)
-    result = generate(model, tokenizer, prompt, params, stop_at_eos=not args.ignore_eos,
-                      grammar=grammar_from_args(args), kv_cache=kv_cache)
+    if args.ep > 1:
+        result = _generate_ep(args, model, tokenizer, prompt, params)
+        if isinstance(result, int):  # a rank > 0 under torchrun: it ran the forwards, rank 0 prints
+            return result
+    else:
+        result = generate(model, tokenizer, prompt, params, stop_at_eos=not args.ignore_eos,
+                          grammar=grammar_from_args(args), kv_cache=kv_cache)
     if args.json:
         print(json.dumps(result))
     else:
         print(result["text"] if result["text"] is not None else " ".join(map(str, result["tokens"])))
     sys.stdout.flush()
     return 0
+
+
+def _generate_ep(args: argparse.Namespace, model, tokenizer, prompt: list[int],
+                 params: SamplingParams) -> dict | int:
+    """``--ep N``: every rank runs the forwards; rank 0 samples. A rank > 0 returns its exit status."""
+    from engine.distributed.worker import run_rank
+    from engine.engine_setup import checkpoint_hash
+    from engine.model.embedded import checkpoint_dir_of
+
+    rank, from_torchrun = launch.rank_of(args.ep)
+    kv_blocks, ssm_slots = runner_sizes(len(prompt), params.max_tokens)
+    spec = launch.WorkerArgs(args.model, kv_blocks, ssm_slots, 16, getattr(torch, args.dtype), torch.device("cpu"),
+                             args.threads, args.ep, args.ep_timeout, args.ep_exchange)
+    digest = checkpoint_hash(checkpoint_dir_of(args.model))
+    if rank > 0:
+        return run_rank(model, rank=rank, size=args.ep, kv_blocks=kv_blocks, ssm_slots=ssm_slots, block_size=16,
+                        dtype=spec.dtype, device=spec.device, timeout_s=args.ep_timeout,
+                        exchange=args.ep_exchange, checkpoint_hash=digest)
+    runner = ModelRunner(model, num_kv_blocks=kv_blocks, num_ssm_slots=ssm_slots, dtype=spec.dtype)
+    children = [] if from_torchrun else launch.spawn_ranks(spec)
+    ep = launch.start_leader(model, runner, spec, digest, children)
+    failed = True
+    try:
+        result = generate(model, tokenizer, prompt, params, stop_at_eos=not args.ignore_eos, runner=runner,
+                          grammar=grammar_from_args(args))
+        failed = False
+    finally:
+        ep.close(failed)
+    return result

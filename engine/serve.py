@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from engine.distributed import launch, serve_ranks
+from engine.distributed.worker import EXIT_RANK_FAILURE
 from engine.api.launch import add_arguments as add_api_arguments, start_api
 from engine.engine_setup import EngineSetup, build_engine, run_started_row
 from engine.kv_cache_args import add_kv_cache_args, kv_cache_options
@@ -26,6 +28,7 @@ from engine.model.fault import ENV_VAR as FAULT_ENV_VAR, ForwardFault
 from engine.model.roofline import measure_rates
 from engine.run_dir_lock import lock_run_dir
 from engine.stall_watch import STALL_WAIT_S, StallWatch
+from engine.model.errors import RankFailure
 from engine.workload.request import RequestSpec
 from engine.workload_feed import WorkloadFeed
 from telemetry.levers import defaults, from_env
@@ -76,11 +79,15 @@ def add_parser(subparsers) -> None:
                    help="auto: bfloat16 where the CPU has AMX or AVX512-BF16, else float32 (recorded in the run row)")
     p.add_argument("--no-telemetry", action="store_true", help="run without writing telemetry (benchmarks)")
     add_kv_cache_args(p)
+    launch.add_arguments(p)
     add_api_arguments(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    rank, from_torchrun = launch.rank_of(args.ep)
+    if rank > 0:  # torchrun started this rank with the serve command line
+        return serve_ranks.run_torchrun_rank(args, rank)
     run_dir = Path(args.run_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -97,7 +104,9 @@ def run(args: argparse.Namespace) -> int:
         log.warning("test fault hook %s armed: forwards carrying %s will raise", FAULT_ENV_VAR, fault.describe())
     setup = build_engine(args.model, kv_blocks=args.kv_blocks, ssm_slots=args.ssm_slots,
                          levers=base_levers, seed=args.seed, prefix_cache=args.prefix_cache,
-                         threads=args.threads, fault=fault, kv_cache=kv_cache_options(args), dtype=args.dtype)
+                         threads=args.threads, fault=fault, kv_cache=kv_cache_options(args), dtype=args.dtype,
+                         ep_size=args.ep)
+    ep_run = serve_ranks.start(args, setup, from_torchrun, run_dir) if args.ep > 1 else None
     feed = WorkloadFeed.from_args(args, setup)
     _measure_roofline(setup)  # after the workload is known good: a bad one fails at once
     writer, telemetry_error = None, None
@@ -115,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     watcher = LeverWatcher(run_dir / "levers.json", base_levers)
     stall = StallWatch()
     stop = _install_stop_handlers()
-    status = "finished"
+    status, exit_code = "finished", 0
     t_start = time.monotonic()
     log.info("serving %s, run dir %s, workload %s", args.model, run_dir, feed.describe().get("kind"))
     try:
@@ -130,6 +139,8 @@ def run(args: argparse.Namespace) -> int:
                     spec.request_id = api.new_request_id()
                 _submit(sched, spec)
             _poll_levers(sched, watcher)
+            if ep_run is not None:
+                ep_run.leader.keepalive()  # idle or stalled: the ranks hear from rank 0 before their timeout
             _report_writer_health(sched, writer)
             status_file.maybe_write(_status_fields(sched, writer, telemetry_error, "serving", stall))
             if sched.has_work:
@@ -151,13 +162,19 @@ def run(args: argparse.Namespace) -> int:
                 api.bridge.wait(idle_s) if api is not None else time.sleep(idle_s)
             if api is not None:
                 api.after_tick(sched)
+    except RankFailure as exc:  # a dead or hung rank ends the whole run, never only its requests
+        log.error("run failed at tick %d: %s", sched.tick, exc)
+        status, exit_code = "failed", EXIT_RANK_FAILURE
     except Exception:
         log.exception("engine loop failed")
         status = "error"
         raise
     finally:
+        if ep_run is not None:
+            ep_run.close(failed=status != "finished")
         watcher.stop()
-        sched.stop()
+        sched.stop(**({"reason": "the run failed: an expert-parallel rank died or hung"}
+                      if status == "failed" else {}))
         if api is not None:
             api.bridge.close(sched)
             api.server.stop()
@@ -167,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
         log.info("run %s after %d ticks", status, sched.tick)
         if lock is not None:
             lock.close()
-    return 0
+    return exit_code
 
 
 def _measure_roofline(setup: EngineSetup) -> None:

@@ -72,6 +72,9 @@ EVENT_KV_QUANT_STATE = "kv_quant_state"
 # KV cache quantization states a chunk row can carry (``ChunkDecision.kv_quant_state``):
 # off = full precision (--kv-cache-dtype auto); InnerQ moves calibrating -> ready -> applied.
 KV_QUANT_STATES = ("off", "calibrating", "ready", "applied")
+# ``GenericEvent.kind`` of one expert-parallel rank's share of one forward (detail: rank, start_ns,
+# broadcast_ns, expert_ns, exchange_ns, forward_ns); the Live timeline draws one lane per rank.
+EVENT_EP_FORWARD = "ep_forward"
 
 
 @dataclass
@@ -155,6 +158,7 @@ class ChunkDecision(Event):
     outcome: str = OUTCOME_OK           # one of CHUNK_OUTCOMES
     num_preempted: int = 0              # victims this chunk needed
     kv_quant_state: str | None = None   # one of KV_QUANT_STATES: what the poll before this chunk left
+    ep_broadcast_ns: int | None = None  # under expert parallelism: rank 0's broadcast before the forward
     first_token_rules: str | None = None  # last chunk: the first-token rules that fired, comma-separated
 
 

@@ -65,7 +65,7 @@ def render(ctx: RunContext) -> None:
     cap = MAX_STREAM_EVENTS if win.stream_events_capped else None
     fig = charts.timeline_figure(win.forwards, win.stream_events, win.links, win.preemptions,
                                  win.lever_changes, (win.start_ms, win.end_ms), stream_events_cap=cap,
-                                 kv_quant_changes=win.kv_quant_changes)
+                                 kv_quant_changes=win.kv_quant_changes, rank_forwards=win.rank_forwards)
     live_timeline.render(fig, key="live_timeline", revision=end_ns)   # stays mounted: no blank frame, zoom kept
     mode = "bucketed into WebGL segments" if win.is_bucketed else "one bar per forward"
     st.caption(f"last {window_s} s of run {ctx.run_id} ({ctx.run.get('status')}): {win.num_forwards} forwards, "

@@ -37,6 +37,9 @@ class SSMPool:
                                      device=device)
         self._free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._used: set[int] = set()
+        # Slots written outside a forward since the last expert-parallel broadcast (None: not tracked).
+        # Rank 0 sends their states to the other ranks before the next forward.
+        self.dirty: set[int] | None = None
 
     @property
     def num_used(self) -> int:
@@ -65,6 +68,7 @@ class SSMPool:
         self._check_owned(slot)
         self.conv[:, slot].zero_()
         self.recurrent[:, slot].zero_()
+        self._mark(slot)
 
     def snapshot(self, slot: int) -> SSMSnapshot:
         self._check_owned(slot)
@@ -77,6 +81,7 @@ class SSMPool:
             raise ValueError("SSM snapshot shape does not match this pool")
         self.conv[:, slot].copy_(snapshot.conv)
         self.recurrent[:, slot].copy_(snapshot.recurrent)
+        self._mark(slot)
 
     def snapshot_slots(self, slots: list[int]) -> SSMSnapshot:
         """One copy of several slots: conv ``[L, B, conv_dim, K-1]``, recurrent ``[L, B, Hv, Dk, Dv]``."""
@@ -94,6 +99,8 @@ class SSMPool:
         index = torch.tensor(slots, dtype=torch.long, device=self.conv.device)
         self.conv.index_copy_(1, index, snapshot.conv)
         self.recurrent.index_copy_(1, index, snapshot.recurrent)
+        for slot in slots:
+            self._mark(slot)
 
     def normalize(self, slot: int, max_norm: float) -> bool:
         """Scale down any head whose recurrent-state Frobenius norm exceeds ``max_norm``.
@@ -113,6 +120,7 @@ class SSMPool:
         norms = torch.linalg.vector_norm(state, dim=(-2, -1))
         scale = torch.where(norms > max_norm, max_norm / norms.clamp_min(1e-30), torch.ones_like(norms))
         state.mul_(scale[..., None, None])
+        self._mark(slot)
         return True
 
     def check_invariants(self) -> None:
@@ -121,6 +129,10 @@ class SSMPool:
         assert not (free & self._used), "SSM pool: a slot is both free and used"
         assert free | self._used == set(range(self.num_slots)), "SSM pool: a slot went missing"
         assert self.num_used + self.num_free == self.num_slots
+
+    def _mark(self, slot: int) -> None:
+        if self.dirty is not None:
+            self.dirty.add(slot)
 
     def _check_owned(self, slot: int) -> None:
         if slot not in self._used:

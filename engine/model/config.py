@@ -4,7 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, asdict
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
+SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
+MOE_MODEL_TYPES = ("qwen3_5_moe_text", "qwen3_5_moe")
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
 LAYER_TYPES = ("linear_attention", "full_attention")
 
 
@@ -35,6 +37,11 @@ class ModelConfig:
     hidden_act: str = "silu"
     eos_token_id: int | None = None
     max_position_embeddings: int = 32768  # the context admission checks prompts against
+    # Qwen3.5-MoE (all four 0 for the dense model): every layer's MLP is a sparse MoE block.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self):
         if not self.layer_types:
@@ -65,9 +72,20 @@ class ModelConfig:
             raise ConfigError("config field linear_num_value_heads must be a multiple of linear_num_key_heads")
         if self.hidden_act != "silu":
             raise ConfigError(f"config field hidden_act must be 'silu', got {self.hidden_act!r}")
+        if self.is_moe:
+            for name in MOE_FIELDS:
+                if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                    raise ConfigError(f"config field {name} must be a positive integer, got {getattr(self, name)!r}")
+            if self.num_experts_per_tok > self.num_experts:
+                raise ConfigError(f"config field num_experts_per_tok ({self.num_experts_per_tok}) exceeds "
+                                  f"num_experts ({self.num_experts})")
         if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
             raise ConfigError(f"config field partial_rotary_factor gives rotary dim {self.rotary_dim}, "
                               f"which must be even and within head_dim {self.head_dim}")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def rotary_dim(self) -> int:
@@ -100,21 +118,28 @@ class ModelConfig:
         data["layer_types"] = list(self.layer_types)
         data["rope_parameters"] = {"rope_type": "default", "rope_theta": data.pop("rope_theta"),
                                    "partial_rotary_factor": data.pop("partial_rotary_factor")}
-        data.update(model_type="qwen3_5_text", architectures=["Qwen3_5ForCausalLM"], dtype="float32")
+        if self.is_moe:
+            data.pop("intermediate_size")  # the MoE config has none: experts and shared expert size their own
+            data.update(model_type="qwen3_5_moe_text", architectures=["Qwen3_5MoeForCausalLM"], dtype="float32")
+        else:
+            for name in MOE_FIELDS:
+                data.pop(name)
+            data.update(model_type="qwen3_5_text", architectures=["Qwen3_5ForCausalLM"], dtype="float32")
         return data
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
-        """Read a ``qwen3_5_text`` config, or the ``text_config`` of a ``qwen3_5`` one."""
+        """Read a ``qwen3_5_text`` / ``qwen3_5_moe_text`` config, or the ``text_config`` of a
+        ``qwen3_5`` / ``qwen3_5_moe`` one."""
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(f"{source}: unknown architecture model_type={model_type!r}; "
                               f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
         text = raw
-        if model_type == "qwen3_5":
+        if model_type in ("qwen3_5", "qwen3_5_moe"):
             text = raw.get("text_config")
             if not isinstance(text, dict):
-                raise ConfigError(f"{source}: model_type 'qwen3_5' needs a text_config object")
+                raise ConfigError(f"{source}: model_type {model_type!r} needs a text_config object")
             text = {"tie_word_embeddings": raw.get("tie_word_embeddings", False), **text}
         rope = text.get("rope_parameters") or {}
         rope_type = rope.get("rope_type", "default")
@@ -132,6 +157,15 @@ class ModelConfig:
             kwargs["rope_theta"] = float(rope["rope_theta"])
         kwargs["partial_rotary_factor"] = float(rope.get("partial_rotary_factor",
                                                          text.get("partial_rotary_factor", 0.25)))
+        if model_type in MOE_MODEL_TYPES:
+            missing = [name for name in MOE_FIELDS if name not in kwargs]
+            if missing:
+                raise ConfigError(f"{source}: missing field(s) {', '.join(missing)}")
+            # Unused by the MoE model (no dense MLP); the shared expert's size keeps the field valid.
+            kwargs.setdefault("intermediate_size", kwargs["shared_expert_intermediate_size"])
+        else:
+            for name in MOE_FIELDS:
+                kwargs.pop(name, None)
         missing = [name for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                      "num_attention_heads", "num_key_value_heads")
                    if name not in kwargs]

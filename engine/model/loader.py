@@ -72,20 +72,34 @@ def load_weights(model: Qwen35ForCausalLM, directory: Path) -> None:
     expected = model.state_dict()
     tied = model.config.tie_word_embeddings
     handles: dict[Path, object] = {}
+
+    def read(stored_name: str) -> torch.Tensor | None:
+        file = stored.get(stored_name)
+        if file is None:
+            return None
+        if file not in handles:
+            handles[file] = safe_open(str(file), framework="pt")
+        try:
+            return handles[file].get_tensor(stored_name)
+        except Exception as err:  # safetensors raises its own error types for broken files
+            raise CheckpointError(f"{file}: cannot read tensor {stored_name} ({err})") from None
+
+    # A model may assemble some tensors itself (the MoE model: its experts' slice, per-expert layouts).
+    custom = getattr(model, "read_checkpoint_tensor", None)
     try:
         for name, target in expected.items():
             if tied and name == "lm_head.weight":
                 continue  # shares storage with embed_tokens
             stored_name = "lm_head.weight" if name == "lm_head.weight" else prefix + name[len("model."):]
-            file = stored.get(stored_name)
-            if file is None:
-                raise CheckpointError(f"{directory}: missing tensor {stored_name}")
-            if file not in handles:
-                handles[file] = safe_open(str(file), framework="pt")
             try:
-                tensor = handles[file].get_tensor(stored_name)
-            except Exception as err:  # safetensors raises its own error types for broken files
-                raise CheckpointError(f"{file}: cannot read tensor {stored_name} ({err})") from None
+                tensor = custom(stored_name, read) if custom is not None else None
+            except ConfigError as err:
+                raise CheckpointError(f"{directory}: {err}") from None
+            if tensor is None:
+                tensor = read(stored_name)
+            if tensor is None:
+                raise CheckpointError(f"{directory}: missing tensor {stored_name}")
+            file = stored.get(stored_name, directory)
             if tuple(tensor.shape) != tuple(target.shape):
                 raise CheckpointError(f"{file}: tensor {stored_name} has shape {tuple(tensor.shape)}, "
                                       f"config.json implies {tuple(target.shape)}")
@@ -96,15 +110,16 @@ def load_weights(model: Qwen35ForCausalLM, directory: Path) -> None:
 
 
 def load_model(name_or_dir: str | Path, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu") -> tuple[Qwen35ForCausalLM, ModelConfig, Tokenizer | None]:
-    """Load ``tiny`` (the embedded default, created on first use) or a checkpoint directory."""
-    if str(name_or_dir) == "tiny":
-        from engine.model.tiny import ensure_tiny_checkpoint
-        directory = ensure_tiny_checkpoint()
-    else:
-        directory = Path(name_or_dir).expanduser()
+               device: torch.device | str = "cpu", ep_rank: int = 0,
+               ep_size: int = 1) -> tuple[Qwen35ForCausalLM, ModelConfig, Tokenizer | None]:
+    """Load ``tiny`` / ``tiny-moe`` (embedded, created on first use) or a checkpoint directory.
+
+    ``ep_rank`` / ``ep_size``: which share of a MoE model's experts this process holds.
+    """
+    from engine.model.embedded import checkpoint_dir_of
+    directory = checkpoint_dir_of(str(name_or_dir))
     config = read_config(directory)
-    model = Qwen35ForCausalLM(config)
+    model = _build(config, directory, ep_rank, ep_size)
     load_weights(model, directory)
     model.to(device=device, dtype=dtype).eval()
     model.fuse()
@@ -112,3 +127,16 @@ def load_model(name_or_dir: str | Path, dtype: torch.dtype = torch.float32,
     if tokenizer is not None:
         tokenizer.assign_special_ids(model)
     return model, config, tokenizer
+
+
+def _build(config: ModelConfig, directory: Path, ep_rank: int, ep_size: int) -> Qwen35ForCausalLM:
+    if not config.is_moe:
+        if ep_size > 1:
+            raise CheckpointError(f"{directory}: expert parallelism needs a mixture-of-experts checkpoint "
+                                  f"(config.json has no num_experts)")
+        return Qwen35ForCausalLM(config)
+    from engine.model.qwen3_5_moe import Qwen35MoeForCausalLM
+    try:
+        return Qwen35MoeForCausalLM(config, ep_rank, ep_size)
+    except ConfigError as err:
+        raise CheckpointError(f"{directory}: {err}") from None

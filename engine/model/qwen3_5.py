@@ -14,14 +14,15 @@ from engine.model.layers import FusedLinear, PartialRotary, SwiGLU, ZeroCentered
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, linear_index: int | None):
+    def __init__(self, config: ModelConfig, layer_id: int, linear_index: int | None, make_mlp=None):
         super().__init__()
         self.is_linear = config.layer_types[layer_id] == "linear_attention"
         if self.is_linear:
             self.linear_attn = GatedDeltaNet(config, linear_index)
         else:
             self.self_attn = GatedAttention(config, layer_id)
-        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+        # ``make_mlp(config, layer_id)``: another feed-forward block (the MoE model's sparse block).
+        self.mlp = make_mlp(config, layer_id) if make_mlp else SwiGLU(config.hidden_size, config.intermediate_size)
         self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -44,11 +45,11 @@ class DecoderLayer(nn.Module):
 
 
 class TextModel(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, make_mlp=None):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         linear_index = {layer: i for i, layer in enumerate(config.linear_attention_layers)}
-        self.layers = nn.ModuleList(DecoderLayer(config, i, linear_index.get(i))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, linear_index.get(i), make_mlp)
                                     for i in range(config.num_hidden_layers))
         self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -59,10 +60,10 @@ class Qwen35ForCausalLM(nn.Module):
     is_mla = False  # plain grouped K/V heads, no latent compression
     is_ep = False  # dense MLP, no expert parallelism
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, make_mlp=None):
         super().__init__()
         self.config = config
-        self.model = TextModel(config)
+        self.model = TextModel(config, make_mlp)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -78,6 +78,11 @@ class ModelRunner:
         return self.model.is_ep
 
     @property
+    def ep_broadcast_ns(self) -> int | None:
+        """Rank 0's broadcast before the last forward under expert parallelism, else None."""
+        return getattr(self.model, "last_broadcast_ns", None)
+
+    @property
     def vocab_size(self) -> int:
         return self.config.vocab_size
 

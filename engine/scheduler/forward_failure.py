@@ -14,7 +14,9 @@ completes that one request with no token; nothing else stops. Here:
 
 Every failure is one ``forward_failed`` event row (what failed, which requests
 it ended, which it restored) and one log line; ending a request returns its KV
-blocks and SSM slot to the pools (``Scheduler.finish``).
+blocks and SSM slot to the pools (``Scheduler.finish``). Under expert parallelism a
+dead or hung rank (``RankFailure``) is let through: every rank runs every forward,
+so the whole run ends (``serve`` marks it failed).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import traceback
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from engine.model.errors import RankFailure
 from engine.scheduler.request import Request
 from engine.streams import EVENT_PREFILL_DONE, STREAM_DEFAULT, STREAM_PREFILL
 from telemetry import events as ev
@@ -56,8 +59,11 @@ def end_requests(sched: Scheduler, requests: Sequence[Request], exc: BaseExcepti
     """End the still-running ``requests`` as ``error`` naming ``exc``; one event row, one log line.
 
     ``restored``: requests of the same forward whose state was put back (they go on).
-    Returns the requests ended here.
+    Returns the requests ended here. A ``RankFailure`` (an expert-parallel rank died or hung)
+    is not one forward's failure: it propagates and ends the whole run.
     """
+    if isinstance(exc, RankFailure):
+        raise exc
     message = error_text(stage, exc)
     ended = [r for r in requests if r.finished_ns is None]
     for request in ended:

@@ -66,6 +66,8 @@ def run(sched: Scheduler) -> tuple[str, int, int]:
     if row.path != ev.PATH_MIXED:
         _run_plain(sched, req, chunk, row)
     row.duration_ns = sched.now_ns() - start
+    if row.outcome in ev.COMPUTED_OUTCOMES:
+        row.ep_broadcast_ns = sched.runner.ep_broadcast_ns  # None without expert parallelism
     sched.emit(row)
     return row.path, (chunk.length if row.outcome in ev.COMPUTED_OUTCOMES else 0), num_decode
 
