@@ -37,17 +37,13 @@ from pathlib import Path
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from engine.model.cpu_features import cpu_model  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 WARMUP = 2                  # requests before the measured ones, excluded from the numbers
 MEASURED_START_S = 1.0      # measured arrivals start here (after the warm-up requests)
 
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as handle:
-            return next(line.split(":", 1)[1].strip() for line in handle if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown CPU"
 
 
 def arrivals(args) -> list[dict]:

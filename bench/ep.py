@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sqlite3
 import statistics
 import subprocess
@@ -24,17 +23,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from engine.model.cpu_features import cpu_model  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = (("ep1", ["--ep", "1"]), ("ep2 all_to_all", ["--ep", "2", "--ep-exchange", "all_to_all"]),
            ("ep2 all_gather", ["--ep", "2", "--ep-exchange", "all_gather"]))
 
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as handle:
-            return next(line.split(":", 1)[1].strip() for line in handle if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
 
 
 def serve(run_dir: Path, args: list[str], requests: int, seed: int) -> dict:

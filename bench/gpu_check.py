@@ -24,7 +24,6 @@ it exit 1.
 from __future__ import annotations
 
 import argparse
-import platform
 import sqlite3
 import statistics
 import subprocess
@@ -49,6 +48,9 @@ from engine.model.runner import ModelRunner  # noqa: E402
 from engine.model.tiny import random_init  # noqa: E402
 from engine.sequence import SequenceState  # noqa: E402
 from telemetry import events as ev  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from engine.model.cpu_features import cpu_model  # noqa: E402
 
 # A random checkpoint transformers writes (the oracle), sized like the parity tests' one.
 HF_CONFIG = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
@@ -84,13 +86,6 @@ def timed(name: str, fn, *args) -> Check:
         status, detail = "FAIL", f"{type(exc).__name__}: {exc}"
     return Check(name, status, detail, time.perf_counter() - start)
 
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as handle:
-            return next(line.split(":", 1)[1].strip() for line in handle if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
 
 
 # ---- 1. the GPU tests -------------------------------------------------------------------------

@@ -19,7 +19,6 @@ unconstrained decoding. Target: mask share <= 15 %.
 from __future__ import annotations
 
 import argparse
-import platform
 import random
 import statistics
 import sys
@@ -39,19 +38,15 @@ from engine.scheduler.loop import Scheduler  # noqa: E402
 from telemetry import events as ev  # noqa: E402
 from telemetry.levers import defaults  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from engine.model.cpu_features import cpu_model  # noqa: E402
+
 TARGET_SHARE = 0.15
 JSON_SCHEMA = {"type": "array", "minItems": 100, "items": {
     "type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                      "n": {"type": "integer", "minimum": 0, "maximum": 999}},
     "required": ["name", "n"], "additionalProperties": False}}
 
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as handle:
-            return next(line.split(":", 1)[1].strip() for line in handle if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
 
 
 def grammar_for(kind: str, max_tokens: int) -> dict | None:

@@ -30,7 +30,6 @@ import os
 import sys
 import dataclasses
 import json
-import platform
 import statistics
 import time
 
@@ -45,6 +44,7 @@ from engine.model.qwen3_5 import Qwen35ForCausalLM  # noqa: E402
 from engine.model.runner import ModelRunner  # noqa: E402
 from engine.model.tiny import random_init  # noqa: E402
 from engine.sequence import SequenceState  # noqa: E402
+from engine.model.cpu_features import cpu_model  # noqa: E402
 
 PARITY_BASE = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
@@ -160,13 +160,6 @@ def measure(name: str, steps: int, seed: int) -> list[dict]:
         })
     return rows
 
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as handle:
-            return next(line.split(":", 1)[1].strip() for line in handle if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
 
 
 def main() -> None:

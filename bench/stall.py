@@ -31,16 +31,10 @@ sys.path.insert(0, str(REPO))
 
 from telemetry.engine_status import read_engine_status  # noqa: E402
 from telemetry.levers import defaults, write_levers_file  # noqa: E402
+from engine.model.cpu_features import cpu_model  # noqa: E402
 
 CHROMIUM = "/usr/bin/chromium"
 
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as handle:
-            return next(line.split(":", 1)[1].strip() for line in handle if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown CPU"
 
 
 def cpu_seconds(pid: int) -> float:
