@@ -6,12 +6,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.cache.kv import KVCacheExhausted
-from engine.scheduler import forward_failure, outputs, spec_step
+from engine.scheduler import forward_failure, outputs
 from engine.scheduler.adaptive import params_for_row
 from engine.scheduler.mixing import decode_order
 from engine.scheduler.preempt import VictimCandidate, choose_victim as pick_victim
 from engine.scheduler.request import Request
 from engine.scheduler.sampling import effective_min_p, sample_next
+from engine.spec import spec_step
 from engine.streams import STREAM_DEFAULT
 from telemetry import events as ev
 

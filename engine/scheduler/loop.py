@@ -17,7 +17,7 @@ from engine.scheduler import decode_step, prefill_step, prefix_step
 from engine.scheduler.adaptive import StructureTokens, region_of
 from engine.scheduler.admission import RequestRejected, check_prompt, parse_sampling
 from engine.scheduler.request import Request
-from engine.scheduler.spec_support import speculation_rejection
+from engine.spec.spec_support import speculation_rejection
 from engine.streams import EVENT_PREFILL_DONE, STREAM_DEFAULT, STREAM_PREFILL, StreamSet
 from telemetry import events as ev
 from telemetry.levers import LeverValues

@@ -45,7 +45,7 @@ class Request:
     # it is False for every request until a grammar engine sets it at submit.
     has_grammar: bool = False
     pending_drafts: list[int] = field(default_factory=list)
-    # Left by the last speculative step for the next one (engine/scheduler/spec_step.py): the
+    # Left by the last speculative step for the next one (engine/spec/spec_step.py): the
     # cached-token count the drafts were proposed at, and the SSM state there (a copy made on
     # the secondary stream). Stale once any other forward advances the sequence.
     pending_drafts_at: int | None = None

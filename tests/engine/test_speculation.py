@@ -10,13 +10,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.model import verify
 from engine.model.loader import load_model
 from engine.model.runner import ModelRunner
-from engine.scheduler import spec_step
 from engine.scheduler.loop import Scheduler
 from engine.scheduler.sampling import SamplingParams, sample_next
-from engine.scheduler.spec_support import speculation_rejection
+from engine.spec import spec_step, verify
+from engine.spec.spec_support import speculation_rejection
 from telemetry import events as ev
 from telemetry.levers import defaults
 

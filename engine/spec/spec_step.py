@@ -30,13 +30,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.model import verify
 from engine.scheduler import outputs
 from engine.scheduler.adaptive import advance, params_for_row
 from engine.scheduler.mixing import SPEC_NGRAM
-from engine.scheduler.ngram import propose_drafts
 from engine.scheduler.request import Request
 from engine.scheduler.sampling import effective_min_p, sample_next
+from engine.spec import verify
+from engine.spec.ngram import propose_drafts
 from engine.streams import EVENT_SECONDARY_DONE, STREAM_DEFAULT, STREAM_SECONDARY
 from telemetry import events as ev
 
