@@ -9,8 +9,12 @@ import torch
 
 from engine.model.loader import load_model
 from engine.model.runner import ModelRunner
+from engine.scheduler.loop import Scheduler
+from engine.scheduler.mixing import SPECULATION_KINDS
 from engine.scheduler.sampling import SamplingParams, make_generator, sample_next
 from engine.sequence import SequenceState
+from telemetry import events as ev
+from telemetry.levers import LEVERS_BY_NAME, defaults
 
 PREFILL_CHUNK = 512  # bounds peak activation memory on long prompts
 
@@ -58,6 +62,40 @@ def generate(model, tokenizer, prompt: list[int], params: SamplingParams, stop_a
     return {"tokens": tokens, "text": text}
 
 
+def generate_speculative(model, tokenizer, prompt: list[int], params: SamplingParams, speculation: str,
+                         num_speculative_tokens: int, stop_at_eos: bool = True) -> dict:
+    """As ``generate``, through the scheduler with the ``speculation`` lever set (the speculative step
+    lives there); adds ``"spec": {"drafted", "accepted", "steps"}`` summed over its steps."""
+    if not prompt:
+        raise ValueError("prompt is empty: give --prompt-ids or a non-empty --prompt")
+    params.validate(model.config.vocab_size)
+    levers = defaults().replace(speculation=speculation, num_speculative_tokens=num_speculative_tokens)
+    rows: list = []
+    total = len(prompt) + params.max_tokens + 8 + 1  # + the drafts a last step may cache
+    runner = ModelRunner(model, num_kv_blocks=-(-total // 16) + 1, num_ssm_slots=1)
+    sched = Scheduler(runner, levers, emit=rows.append)
+    refused = [r.reason for r in rows if isinstance(r, ev.LeverChange) and r.status == "rejected"]
+    if refused:
+        raise ValueError(f"--speculation {speculation}: {refused[0]}")
+    if not stop_at_eos:
+        sched.eos_ids = set()
+    request = sched.submit(0, prompt, params.to_dict())
+    if request.error is not None:
+        raise ValueError(request.error)
+    while sched.has_work:
+        sched.step()
+    if request.error is not None:
+        raise RuntimeError(f"generation failed: {request.error}")
+    steps = [r.detail for r in rows if isinstance(r, ev.GenericEvent) and r.kind == "spec_step"
+             and r.detail["num_drafted"]]
+    eos_ids = {model.eos_token_id} if model.eos_token_id is not None else set()
+    tokens = list(request.output_tokens)
+    text = tokenizer.decode([t for t in tokens if t not in eos_ids]) if tokenizer is not None else None
+    return {"tokens": tokens, "text": text,
+            "spec": {"drafted": sum(d["num_drafted"] for d in steps),
+                     "accepted": sum(d["num_accepted"] for d in steps), "steps": len(steps)}}
+
+
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("generate", help="generate a continuation for one prompt")
     parser.add_argument("--model", default="tiny", help="'tiny' or a local HF checkpoint directory")
@@ -71,6 +109,11 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--speculation", choices=SPECULATION_KINDS, default=None,
+                        help='speculative decoding kind; adds "spec": {drafted, accepted, steps} to --json')
+    k = LEVERS_BY_NAME["num_speculative_tokens"]
+    parser.add_argument("--num-speculative-tokens", type=int, default=k.default,
+                        help=f"drafts per speculative step ({k.describe_range()})")
     parser.add_argument("--json", action="store_true", help='print {"tokens": [...], "text": ...}')
     parser.set_defaults(func=run)
 
@@ -88,7 +131,12 @@ def run(args: argparse.Namespace) -> int:
         prompt = parse_ids(args.prompt_ids)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             min_p=args.min_p, max_tokens=args.max_tokens, seed=args.seed)
-    result = generate(model, tokenizer, prompt, params, stop_at_eos=not args.ignore_eos)
+    if args.speculation is None:
+        result = generate(model, tokenizer, prompt, params, stop_at_eos=not args.ignore_eos)
+    else:
+        LEVERS_BY_NAME["num_speculative_tokens"].check(args.num_speculative_tokens)
+        result = generate_speculative(model, tokenizer, prompt, params, args.speculation,
+                                      args.num_speculative_tokens, stop_at_eos=not args.ignore_eos)
     if args.json:
         print(json.dumps(result))
     else:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import charts, context, data, engine_panel, live_timeline, prefix_panel
+from dashboard import charts, context, data, engine_panel, live_timeline, prefix_panel, spec_panel
 from dashboard.context import RunContext
 from dashboard.db import DataUnavailable
 
@@ -54,6 +54,7 @@ def render(ctx: RunContext) -> None:
     left.caption(f"latency over the {latency['scope'].iloc[0]}")
     right.plotly_chart(charts.latency_figure(latency), key="live_latency", width="stretch")
     prefix_panel.render(ctx)
+    spec_panel.render(ctx, window_s)
 
 
 @st.fragment(run_every=REFRESH_S)

@@ -16,6 +16,7 @@ from engine.model.runner import ModelRunner
 from engine.scheduler import decode_step, prefill_step, prefix_step
 from engine.scheduler.adaptive import StructureTokens, region_of
 from engine.scheduler.admission import RequestRejected, check_prompt, parse_sampling
+from engine.scheduler.mixing import SPEC_MTP
 from engine.scheduler.request import Request
 from engine.spec.spec_support import speculation_rejection
 from engine.streams import EVENT_PREFILL_DONE, STREAM_DEFAULT, STREAM_PREFILL, StreamSet
@@ -57,6 +58,7 @@ class Scheduler:
         self.runner.block_manager.set_cap(levers.kv_blocks_cap or None)
         self.prefix = prefix_step.PrefixStep(self) if prefix_cache else None
         self.levers = self._refuse_unsupported(levers, "off", source="init", version=None)
+        runner.mtp_keep_up = self.levers.speculation == SPEC_MTP
 
     def mark_done(self, requests) -> None:
         self.done.extend(requests)
@@ -101,6 +103,8 @@ class Scheduler:
         self.levers = values
         if "kv_blocks_cap" in changes:
             self.runner.block_manager.set_cap(values.kv_blocks_cap or None)
+        # The MTP layer follows every forward only while it drafts (its K/V costs a layer's work).
+        self.runner.mtp_keep_up = values.speculation == SPEC_MTP
         for name, (old, new) in changes.items():
             self.emit(ev.LeverChange(tick=self.tick, t_ns=self.now_ns(), name=name, old=old, new=new,
                                      source=source, status="applied", file_version=version))
@@ -229,7 +233,7 @@ class Scheduler:
         request.finish_reason = reason
         request.error = error
         request.status = status or (ev.REQ_FINISHED if error is None else ev.REQ_ERROR)
-        request.clear_pending_drafts()  # its SSM copy would outlive the request in ``done``
+        request.clear_pending_drafts()  # drafts of an ended request are never verified
         self.emit_request(request, "finished" if request.status == ev.REQ_FINISHED else request.status, error)
 
     def cancel(self, request_id: int, reason: str) -> Request | None:

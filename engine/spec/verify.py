@@ -1,31 +1,45 @@
-"""The forwards of a speculative step: verify a row of drafts, and roll a partial acceptance back.
+"""The forward of a speculative step: verify a row of drafts, then keep the accepted part.
 
-Built from the runner's public pieces (model, block manager, KV store, SSM pool)
-so the runner itself stays as it is. The verify runs the drafted tokens as a
-prefill segment of one sequence: the chunked Gated DeltaNet rule and causal
-attention over the cached prefix give each row exactly what a decode step at
-that position would see, in one forward, with logits at every row.
-
-A rejected draft has already passed through the SSM recurrence, and a
-recurrent state cannot be un-applied; so a partial acceptance restores the
-state snapshot taken before the verify and replays the accepted tokens
-(a second, shorter forward). K/V of rejected positions need no undo: they
-sit past ``num_cached_tokens`` and are overwritten by the next tokens; the
-blocks that only held rejected positions go back to the manager.
+Built from the runner's public pieces (model, block manager, KV store, SSM pool). The verify
+runs [last token, drafts] as a prefill segment of one sequence, with logits at every row:
+causal attention over the cached prefix gives each row what a decode step at that position
+would see. The Gated DeltaNet layers run the segment with the decode step's arithmetic and
+keep the state after every row (``SSMRowStates``, one state per draft position as vLLM's
+speculative state slots do), so a partial acceptance just keeps the state of its last accepted
+row: no token is fed twice. K/V of rejected positions need no undo: they sit past
+``num_cached_tokens`` and are overwritten by the next tokens; blocks that only held rejected
+positions go back to the manager.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from engine.cache.ssm_pool import SSMSnapshot
 from engine.model.batch import build_batch
+from engine.model.gdn import SSMRowStates
 from engine.model.runner import ModelRunner
 from engine.sequence import SequenceState
 
 
-def _forward_segment(runner: ModelRunner, seq: SequenceState, tokens: list[int],
-                     logits_rows: torch.Tensor | None) -> torch.Tensor:
-    """Run ``tokens`` for ``seq`` from its cached length; K/V blocks are allocated first (all or nothing)."""
+@dataclass
+class Verified:
+    """What one verify forward left: logits and hidden states per row, the SSM state after each row."""
+
+    start: int                     # cached tokens before the verify
+    logits: torch.Tensor           # [k+1, V]: row i is the distribution of the token after tokens[i]
+    hidden: torch.Tensor | None    # [k+1, H] main-model hidden states (asked for by the MTP keep-up)
+    row_states: SSMRowStates
+
+
+def verify_forward(runner: ModelRunner, seq: SequenceState, tokens: list[int], *,
+                   want_hidden: bool = False) -> Verified:
+    """ONE forward over ``tokens`` = [last token, draft 1 .. draft k].
+
+    Row 0 is what a plain decode step would give; row i > 0 is valid only if drafts 1..i are
+    accepted. Advances ``seq.num_cached_tokens`` by k+1 (``keep`` cuts it back).
+    """
     if seq.ssm_slot is None:
         raise ValueError(f"request {seq.request_id} has no SSM slot: call admit() first")
     if not tokens:
@@ -33,41 +47,33 @@ def _forward_segment(runner: ModelRunner, seq: SequenceState, tokens: list[int],
     bad = [t for t in tokens if not isinstance(t, int) or not 0 <= t < runner.vocab_size]
     if bad:
         raise ValueError(f"verify tokens: id(s) {bad[:5]} outside the vocabulary [0, {runner.vocab_size})")
+    start = seq.num_cached_tokens
     runner.block_manager.allocate(seq, len(tokens))  # KVCacheExhausted leaves the table as it was
-    batch = build_batch((tokens, seq.num_cached_tokens, seq.block_table, seq.ssm_slot), [],
-                        runner.kv_block_size, runner.device)
-    logits = runner.model(batch, runner.kv_store, runner.ssm_pool, logits_rows)  # [R, V]
-    seq.num_cached_tokens += len(tokens)
-    return logits
+    batch = build_batch((tokens, start, seq.block_table, seq.ssm_slot), [], runner.kv_block_size, runner.device)
+    batch.ssm_row_states = row_states = SSMRowStates()  # read by every GatedDeltaNet layer
+    out = runner.model(batch, runner.kv_store, runner.ssm_pool, return_hidden=want_hidden)
+    logits, hidden = out if want_hidden else (out, None)
+    seq.num_cached_tokens = start + len(tokens)
+    return Verified(start, logits, hidden, row_states)
 
 
-def verify_forward(runner: ModelRunner, seq: SequenceState, tokens: list[int]) -> torch.Tensor:
-    """ONE forward over ``tokens`` = [last token, draft 1 .. draft k]; logits [k+1, V] at every row.
+def keep(runner: ModelRunner, seq: SequenceState, verified: Verified, num_kept: int) -> None:
+    """Make the caches hold the prefix plus the first ``num_kept`` verified tokens, and nothing after.
 
-    Row i holds the distribution of the token after ``tokens[i]``: row 0 is what a plain
-    decode step would give, row i > 0 is valid only if drafts 1..i are accepted.
-    Advances ``seq.num_cached_tokens`` by k+1 (``roll_back`` undoes the rejected part).
+    The SSM slot gets the state after row ``num_kept - 1`` (already there when every row is kept).
     """
-    return _forward_segment(runner, seq, tokens, None)
-
-
-def roll_back(runner: ModelRunner, seq: SequenceState, snapshot: SSMSnapshot, start: int,
-              keep_tokens: list[int]) -> None:
-    """Make the caches hold the prefix up to ``start`` plus ``keep_tokens`` and nothing of the rejected drafts.
-
-    ``snapshot`` is the SSM slot as it was when ``start`` tokens were cached (before the verify).
-    """
-    if not 0 <= start <= seq.num_cached_tokens:
-        raise ValueError(f"roll back to {start} tokens, but {seq.num_cached_tokens} are cached")
-    runner.ssm_pool.restore(snapshot, seq.ssm_slot)
-    seq.num_cached_tokens = start
-    num_blocks = runner.block_manager.num_blocks_for(start + len(keep_tokens))
+    num_rows = verified.logits.shape[0]
+    if not 1 <= num_kept <= num_rows:
+        raise ValueError(f"keep {num_kept} of {num_rows} verified tokens: at least the fed token is kept")
+    if num_kept < num_rows:
+        states = verified.row_states
+        order = sorted(states.conv)
+        if order:
+            last = num_kept - 1
+            snapshot = SSMSnapshot(torch.stack([states.conv[i][last] for i in order]),       # [L, C, K-1]
+                                   torch.stack([states.recurrent[i][last] for i in order]))  # [L, Hv, Dk, Dv]
+            runner.ssm_pool.restore(snapshot, seq.ssm_slot)
+    seq.num_cached_tokens = verified.start + num_kept
+    num_blocks = runner.block_manager.num_blocks_for(seq.num_cached_tokens)
     while len(seq.block_table) > num_blocks:
         runner.block_manager.decref(seq.block_table.pop())
-    if len(keep_tokens) == 1:
-        # Every draft rejected: the replay is exactly one plain decode step (the cheaper kernels).
-        runner.decode([seq], keep_tokens)
-    elif keep_tokens:
-        # Only the state matters here; ask for one row of logits to keep the head cheap.
-        last_row = torch.tensor([len(keep_tokens) - 1], dtype=torch.long, device=runner.device)
-        _forward_segment(runner, seq, keep_tokens, last_row)
