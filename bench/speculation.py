@@ -145,8 +145,10 @@ def main() -> int:
               f"{cpu_rate[name] / cpu_rate['off']:>6.2f}x {acceptance:>7} {per_step:>8.2f} {str(same):>9}")
     if model.has_mtp_head:
         sequences = [p + o for p, o in zip(prompts, outputs["off"])]
+        first_rows = [len(p) - 1 for p in prompts]  # the rows that draft the continuation itself
         print(f"\nMTP head acceptance on the model's own greedy continuations: "
-              f"{greedy_acceptance(model, sequences):.2f} (over {sum(map(len, sequences))} positions)")
+              f"{greedy_acceptance(model, sequences, first_rows):.2f} "
+              f"(over {sum(len(s) - 1 - f for s, f in zip(sequences, first_rows))} positions)")
     identical = all(outputs[name] == outputs["off"] for name in configs)
     print(f"outputs token-identical to off for every kind: {identical}")
     return 0 if identical else 1

@@ -71,7 +71,10 @@ def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: Lev
     scheduler = Scheduler(runner, levers, emit=emit, run_seed=seed, prefix_cache=prefix_cache)
     engine_config = {"kv_blocks": kv_blocks, "block_size": BLOCK_SIZE, "ssm_slots": ssm_slots,
                      "device": device, "dtype": str(dtype).removeprefix("torch."), "seed": seed,
-                     "prefix_cache": prefix_cache, "threads": torch.get_num_threads()}
+                     "prefix_cache": prefix_cache, "threads": torch.get_num_threads(),
+                     # Paged K/V layers (full attention + the MTP module's) and their bytes.
+                     "kv_layers": len(runner.kv_store.keys), "kv_bytes": runner.kv_store.num_bytes,
+                     "mtp_layers": len(model.mtp.layers) if model.has_mtp_head else 0}
     if fault is not None:
         engine_config["fault_forward"] = fault.describe()
     return EngineSetup(model_name, directory, model, config, tokenizer, runner, scheduler, engine_config)

@@ -25,12 +25,13 @@ from engine.sequence import SequenceState
 
 @dataclass(frozen=True)
 class DistillSettings:
-    num_sequences: int = 24
+    num_sequences: int = 64
     prompt_len: int = 16
     continuation_len: int = 96
-    epochs: int = 8
+    epochs: int = 10
     learning_rate: float = 3e-3
     seed: int = 0
+    repeat_every: int = 2       # every n-th prompt is a short random unit repeated (0 = none)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -44,9 +45,17 @@ class DistillData:
 
 
 def greedy_sequences(model, settings: DistillSettings) -> torch.Tensor:
-    """[N, prompt_len + continuation_len] tokens: seeded printable-byte prompts, greedy continuations."""
+    """[N, prompt_len + continuation_len] tokens: seeded prompts, greedy continuations.
+
+    Prompts are random printable bytes; with ``repeat_every`` = n, every n-th one is a random
+    unit of 2..8 bytes (any byte) repeated, the looping text speculation meets most.
+    """
     generator = torch.Generator().manual_seed(settings.seed)
     prompts = torch.randint(32, 127, (settings.num_sequences, settings.prompt_len), generator=generator)
+    for row in range(0, settings.num_sequences, settings.repeat_every or settings.num_sequences + 1):
+        period = int(torch.randint(2, 9, (1,), generator=generator))
+        unit = torch.randint(0, 256, (period,), generator=generator)
+        prompts[row] = unit.repeat(-(-settings.prompt_len // period))[:settings.prompt_len]
     total = settings.prompt_len + settings.continuation_len
     block = 16
     runner = ModelRunner(model, num_kv_blocks=settings.num_sequences * (-(-total // block)),
@@ -130,22 +139,24 @@ def _distill(model, mtp: MTPModule, settings: DistillSettings) -> list[float]:
 
 
 @torch.inference_mode()
-def greedy_acceptance(model, sequences: list[list[int]]) -> float:
+def greedy_acceptance(model, sequences: list[list[int]], first_rows: list[int] | None = None) -> float:
     """How often the MTP head's greedy draft equals the main model's greedy token, over ``sequences``.
 
     Row p drafts t_{p+2} from (t_{p+1}, h_p); compared with the main model's argmax at p + 1.
-    (For greedy continuations that argmax is the continuation itself.)
+    ``first_rows[i]``: count rows from there on only (prompt length - 1 = the rows that draft the
+    greedy continuation itself: their drafts are what a speculative decode would verify).
     """
     block = 16
     config = model.config
     hits = total = 0
-    for sequence in sequences:
+    for index, sequence in enumerate(sequences):
+        first = first_rows[index] if first_rows is not None else 0
         data = main_model_targets(model, torch.tensor([sequence]))
         kv = KVStore(model.mtp.kv_layer_ids, -(-len(sequence) // block), block, config.num_key_value_heads,
                      config.head_dim)
         batch = build_batch((sequence[1:], 0, list(range(kv.num_blocks)), 0), [], block, "cpu")
         g = model.mtp(model.model.embed_tokens(batch.token_ids), data.hidden[0, :-1], batch, kv, model.rotary)
-        drafts = model.lm_head(g).argmax(-1)  # [T-1]
-        hits += int((drafts == data.logits[0, 1:].argmax(-1)).sum())
+        drafts = model.lm_head(g).argmax(-1)[first:]  # [T-1-first]
+        hits += int((drafts == data.logits[0, 1 + first:].argmax(-1)).sum())
         total += drafts.numel()
     return hits / total
