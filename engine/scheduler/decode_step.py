@@ -13,7 +13,7 @@ from engine.scheduler.preempt import VictimCandidate, choose_victim as pick_vict
 from engine.scheduler.request import Request
 from engine.scheduler.sampling import effective_min_p, sample_next
 from engine.spec import spec_step
-from engine.streams import STREAM_DEFAULT
+from engine.streams import EVENT_SECONDARY_DONE, STREAM_DEFAULT
 from telemetry import events as ev
 
 if TYPE_CHECKING:
@@ -46,6 +46,9 @@ def _forward_and_sample(sched: Scheduler) -> int:
         if num_computed is not None:
             return num_computed
     batch = order_batch(sched)
+    if any(a.pending_drafts for a in batch):
+        # A speculative step drafted on the secondary stream (MTP K/V, a self draft's SSM restore).
+        sched.streams.wait(STREAM_DEFAULT, EVENT_SECONDARY_DONE)
     with sched.streams.use(STREAM_DEFAULT):
         logits = sched.runner.decode([a.seq for a in batch], [a.last_token for a in batch])
     process_logits(sched, batch, logits)

@@ -80,12 +80,10 @@ def run(sched: Scheduler) -> int | None:
     is_pending_valid = bool(req.pending_drafts) and req.pending_drafts_at == seq.num_cached_tokens
     num_stale = 0 if is_pending_valid else len(req.pending_drafts)
     budget = _budget(sched, req)
-    if is_pending_valid:
-        drafts = list(req.pending_drafts)[:budget]
-        # The drafts were made on the secondary stream; the verify reads what they wrote.
+    if req.pending_drafts:
+        # The drafts were made on the secondary stream; what follows reads what they wrote.
         sched.streams.wait(STREAM_DEFAULT, EVENT_SECONDARY_DONE)
-    else:
-        drafts = _propose(sched, req, budget)
+    drafts = list(req.pending_drafts)[:budget] if is_pending_valid else _propose(sched, req, budget)
     req.clear_pending_drafts()
     if not drafts:
         if num_stale:
