@@ -23,6 +23,7 @@ _STEP_COLUMNS = """json_extract(detail, '$.kind') AS spec_kind,
     json_extract(detail, '$.num_drafted') AS num_drafted,
     json_extract(detail, '$.num_accepted') AS num_accepted,
     json_extract(detail, '$.num_emitted') AS num_emitted"""
+_STEPS_WITH_DRAFTS = "run_id = ? AND kind = ? AND id > ? AND json_extract(detail, '$.num_drafted') > 0"
 
 
 def _recent_min_id(db: Path, run_id: int, kind: str, newest: int) -> int:
@@ -37,8 +38,7 @@ def acceptance_over_time(db: Path, run_id: int, num_buckets: int = NUM_BUCKETS,
     one row per (bucket, kind) with drafts, oldest first."""
     columns = ["bucket_s", "bucket_width_s", "spec_kind", "num_steps", "num_drafted", "num_accepted", "acceptance"]
     min_id = _recent_min_id(db, run_id, SPEC_STEP, newest)
-    where = "run_id = ? AND kind = ? AND id > ? AND json_extract(detail, '$.num_drafted') > 0"
-    span = query_one(db, f"SELECT MIN(t_ns) AS lo, MAX(t_ns) AS hi FROM events WHERE {where}",
+    span = query_one(db, f"SELECT MIN(t_ns) AS lo, MAX(t_ns) AS hi FROM events WHERE {_STEPS_WITH_DRAFTS}",
                      [run_id, SPEC_STEP, min_id]) or {}
     if span.get("lo") is None:
         return pd.DataFrame(columns=columns)
@@ -48,7 +48,7 @@ def acceptance_over_time(db: Path, run_id: int, num_buckets: int = NUM_BUCKETS,
         SELECT (t_ns - ?) / ? AS bucket, json_extract(detail, '$.kind') AS spec_kind, COUNT(*) AS num_steps,
                SUM(json_extract(detail, '$.num_drafted')) AS num_drafted,
                SUM(json_extract(detail, '$.num_accepted')) AS num_accepted
-        FROM events WHERE {where} GROUP BY bucket, spec_kind ORDER BY bucket, spec_kind""",
+        FROM events WHERE {_STEPS_WITH_DRAFTS} GROUP BY bucket, spec_kind ORDER BY bucket, spec_kind""",
                      [lo, width_ns, run_id, SPEC_STEP, min_id])
     frame["bucket_s"] = (lo + frame["bucket"] * width_ns) / 1e9
     frame["bucket_width_s"] = width_ns / 1e9
