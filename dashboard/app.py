@@ -23,6 +23,9 @@ PAGES = [
 ]
 
 
+STATUS_REFRESH_S = 2.0
+
+
 def run_picker() -> None:
     paths = context.paths()
     st.sidebar.caption(f"run dir `{paths.run_dir}`")
@@ -32,10 +35,27 @@ def run_picker() -> None:
         return  # the page says why
     if runs.empty:
         return
-    newest = runs.iloc[0]
-    labels = {context.LATEST: f"latest (run {int(newest['run_id'])} · {newest['status']})"}
-    labels.update({int(r.run_id): f"run {int(r.run_id)} · {r.status} · {r.model}" for r in runs.itertuples()})
+    # Labels never carry the status: the browser sends the picked label back, and a label that
+    # changed under it (running -> finished) would no longer name an option.
+    labels = {context.LATEST: "latest run"}
+    labels.update({int(r.run_id): f"run {int(r.run_id)} · {r.model}" for r in runs.itertuples()})
+    if st.session_state.get(context.RUN_KEY, context.LATEST) not in labels:
+        st.session_state[context.RUN_KEY] = context.LATEST
     st.sidebar.selectbox("run", list(labels), format_func=labels.get, key=context.RUN_KEY)
+    with st.sidebar:
+        chosen_run_status(str(paths.db))
+
+
+@st.fragment(run_every=STATUS_REFRESH_S)
+def chosen_run_status(db: str) -> None:
+    """The chosen run's status, kept current (running -> finished shows up without a reload)."""
+    try:
+        runs = data.list_runs(db)
+        run_id = context.chosen_run_id(db)
+    except DataUnavailable:
+        return
+    if run_id is not None:
+        st.caption(f"run {run_id}: {runs.loc[runs['run_id'] == run_id, 'status'].iloc[0]}")
 
 
 run_picker()

@@ -104,9 +104,12 @@ def replay_section(ctx: RunContext) -> None:
     st.caption("Re-runs a bundle's workload with `python -m engine replay --json` in a subprocess. As recorded, "
                "a CPU run must reproduce every decision and token; with a lever flipped, decisions change and a "
                "batch-invariant engine still produces the same tokens.")
-    files = bundles.list_bundles(ctx.paths)
+    files, num_left_out = bundles.replayable_bundles(bundles.list_bundles(ctx.paths))
+    if num_left_out:
+        st.caption(f"{num_left_out} time-windowed bundle(s) not offered: they hold only part of a run, and a "
+                   "replay needs the whole run.")
     if not files:
-        st.info("Build a bundle above first: the replay reads it.")
+        st.info("Build a whole-run bundle above first: the replay reads it.")
         return
     labels = {str(b.path): b.label for b in files}
     bundle = st.selectbox("bundle", list(labels), format_func=labels.get, key="replay_bundle")

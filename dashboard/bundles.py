@@ -7,7 +7,9 @@ file only when the download button is clicked.
 """
 from __future__ import annotations
 
+import json
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,6 +85,25 @@ def list_bundles(paths: RunPaths, limit: int = MAX_LISTED) -> list[BundleFile]:
         if path.is_file() and not path.is_symlink():
             found.append(BundleFile(path, stat.st_size, stat.st_mtime))
     return sorted(found, key=lambda b: (b.modified_at, b.path.name), reverse=True)[:limit]
+
+
+def is_windowed(path: Path) -> bool | None:
+    """True for a time-windowed bundle (it holds part of a run: no replay), None when unreadable."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            with archive.open("manifest.json") as handle:
+                manifest = json.loads(handle.read(1 << 20))
+        return bool((manifest.get("time_range") or {}).get("is_windowed"))
+    except (OSError, KeyError, ValueError, zipfile.BadZipFile, AttributeError):
+        return None
+
+
+def replayable_bundles(files: list[BundleFile]) -> tuple[list[BundleFile], int]:
+    """(bundles offered to a replay, how many time-windowed ones were left out).
+
+    An unreadable bundle stays offered: the replay then says exactly what is wrong with it."""
+    kept = [b for b in files if is_windowed(b.path) is not True]
+    return kept, len(files) - len(kept)
 
 
 def file_reader(path: Path):

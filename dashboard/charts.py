@@ -93,7 +93,11 @@ def waterfall_figure(phases: pd.DataFrame) -> go.Figure:
     num_rows = max(1, phases["request_id"].nunique())
     fig.update_layout(barmode="overlay", height=min(900, 120 + 22 * num_rows), margin=_MARGIN,
                       title="request waterfall", xaxis_title="ms since run start",
-                      yaxis={"type": "category", "autorange": "reversed"}, uirevision="waterfall")
+                      yaxis={"type": "category", "autorange": "reversed"}, uirevision="waterfall",
+                      # Phases are milliseconds inside a run of minutes: the slider zooms the time axis
+                      # until queued, prefill and decode spans are wide enough to read.
+                      xaxis={"rangeslider": {"visible": True, "thickness": 0.08}})
+    fig.update_traces(selector={"type": "bar"}, width=0.8)
     return fig
 
 

@@ -46,11 +46,20 @@ def chosen_run_id(db: str) -> int | None:
     runs = data.list_runs(db)
     if runs.empty:
         return None
-    choice = st.session_state.get(RUN_KEY, LATEST)
     ids = [int(r) for r in runs["run_id"]]
-    if choice != LATEST and int(choice) in ids:
-        return int(choice)
-    return ids[0]
+    choice = run_choice(st.session_state.get(RUN_KEY, LATEST))
+    return choice if choice in ids else ids[0]
+
+
+def run_choice(value: object) -> int | None:
+    """A picked run id, or None for "latest" and anything else (a stale label the browser sent back)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        return int(value)
+    return None
 
 
 def current(*, quiet: bool = False) -> RunContext | None:

@@ -83,6 +83,12 @@ def request_view(db: str, run_id: int, version: Version, search, statuses: tuple
 
 
 @st.cache_data(max_entries=_ENTRIES, show_spinner=False)
+def levers_in_effect(db: str, run_id: int, version: Version, start: dict) -> tuple[dict, dict[str, str]]:
+    """The run's lever values at its first tick, and the changes after it (text per lever)."""
+    return queries_runs.levers_in_effect(start, queries_runs.applied_lever_changes(Path(db), run_id))
+
+
+@st.cache_data(max_entries=_ENTRIES, show_spinner=False)
 def lever_changes(db: str, run_id: int, version: Version) -> pd.DataFrame:
     return lever_state.latest_changes(Path(db), run_id)
 

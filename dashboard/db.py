@@ -8,12 +8,13 @@ missing, locked, half-written or not a database at all, becomes
 from __future__ import annotations
 
 import sqlite3
-import urllib.parse
 from contextlib import closing
 from pathlib import Path
 from typing import Any, Sequence
 
 import pandas as pd
+
+from telemetry.ro_uri import read_only_uri
 
 BUSY_TIMEOUT_S = 0.5    # a reader waits this long behind a WAL checkpoint before giving up
 
@@ -35,10 +36,9 @@ def connect_ro(db_path: Path | str) -> sqlite3.Connection:
     if path.stat().st_size == 0:
         raise DataUnavailable(f"The telemetry database {path} is empty: the engine is still creating it.",
                               level="info")
-    uri = f"file:{urllib.parse.quote(str(path.resolve()))}?mode=ro"
     try:
-        conn = sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_S, check_same_thread=False)
-    except sqlite3.Error as exc:
+        conn = sqlite3.connect(read_only_uri(path), uri=True, timeout=BUSY_TIMEOUT_S, check_same_thread=False)
+    except (sqlite3.Error, OSError) as exc:
         raise explain(exc, path) from None
     conn.execute("PRAGMA query_only = 1")
     return conn

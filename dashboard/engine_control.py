@@ -52,7 +52,11 @@ def engine_argv(paths: RunPaths, model: str, workload: str, rate: float) -> list
             model_dir = inside_run_dir(paths.run_dir, model)
         except PathOutsideRunDir as exc:
             raise EngineControlError(f"model: {exc}") from None
-        if not model_dir.is_dir():
+        try:
+            is_dir = model_dir.is_dir()
+        except OSError as exc:     # a name too long for the file system, a permission problem
+            raise EngineControlError(f"model: {exc.strerror or exc}") from None
+        if not is_dir:
             raise EngineControlError(f"model: {model_dir} is not a directory")
         model = str(model_dir)
     return [sys.executable, "-m", "engine", "serve", "--model", model, "--run-dir", str(paths.run_dir),

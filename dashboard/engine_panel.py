@@ -3,9 +3,18 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import engine_control
+from dashboard import context, engine_control
 from dashboard.context import RunContext
 from dashboard.paths import RunPaths
+
+
+REFRESH_S = 2.0   # the strip follows the engine: an exit shows up without a reload
+
+
+@st.fragment(run_every=REFRESH_S)
+def render_live(paths: RunPaths) -> None:
+    """The strip, redrawn with the run as it is now (the page's run context goes stale)."""
+    render(paths, context.current(quiet=True))
 
 
 def render(paths: RunPaths, ctx: RunContext | None) -> None:

@@ -105,3 +105,15 @@ def lever_rows(pending: PendingFile, changes: pd.DataFrame, start_levers: dict[s
             state = "rejected" if rejection else "pending"
         rows.append(LeverRow(name, want, applied, tick, source, rejection, state))
     return rows
+
+
+def rows_table(rows: list[LeverRow]) -> pd.DataFrame:
+    """The lever rows for a table: ticks as integers, nothing shown as the text "None"."""
+    def text(value: Any) -> str:
+        return "" if value is None else json.dumps(value) if not isinstance(value, str) else value
+    return pd.DataFrame({
+        "lever": [r.name for r in rows], "state": [r.state for r in rows],
+        "pending": [text(r.pending) for r in rows], "applied": [text(r.applied) for r in rows],
+        "applied at tick": pd.array([r.applied_tick for r in rows], dtype="Int64"),
+        "source": [r.applied_source or "run start" for r in rows],
+        "rejection": [r.rejection or "" for r in rows]})

@@ -18,6 +18,10 @@ PHASE_COLORS = {
 }
 SPEC_KIND_COLORS = {"ngram": "#ff7f0e", "mtp": "#9467bd", "self": "#17becf"}
 KIND_SYMBOLS = {"record": "triangle-up", "wait": "square", "sync": "circle"}
+# Fixed per kind (Plotly's colour cycle would repaint them as traces come and go between frames),
+# and apart from the path colours, the lever-change orange and the preemption red.
+KIND_COLORS = {"record": "#17becf", "wait": "#8c6d31", "sync": "#636363"}
+LEVER_COLOR = "#ff7f0e"
 FALLBACK_COLOR = "#8c564b"
 
 

@@ -66,7 +66,10 @@ def inside_run_dir(run_dir: Path, typed: str) -> Path:
     if "\x00" in text:
         raise PathOutsideRunDir(f"path {text!r} contains a NUL byte")
     root = Path(run_dir).resolve()
-    candidate = (root / text).resolve()
+    try:
+        candidate = (root / text).resolve()
+    except (OSError, RuntimeError) as exc:   # a name too long, a symlink loop
+        raise PathOutsideRunDir(f"path {text[:80]!r}: {getattr(exc, 'strerror', None) or exc}") from None
     if candidate != root and not candidate.is_relative_to(root):
         raise PathOutsideRunDir(f"path {text!r} is outside the run directory {root}")
     return candidate

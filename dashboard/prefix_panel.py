@@ -32,6 +32,9 @@ def render(ctx: RunContext) -> None:
         st.caption("No admitted request yet.")
         return
     left, right = st.columns([3, 2])
+    if not totals.get("num_hits"):
+        left.caption(f"No prefix hit yet: none of the {totals.get('num_requests', 0):,} admitted requests reused "
+                     "cached blocks, so the ratio below stays at 0 %.")
     left.plotly_chart(charts.prefix_hit_figure(buckets), key="prefix_hit_chart", width="stretch")
     if reasons.empty:
         right.caption("No request recorded a prefix miss reason.")

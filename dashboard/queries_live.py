@@ -39,6 +39,7 @@ class TimelineWindow:
     end_ms: float
     num_forwards: int              # forwards in the window before any bucketing
     is_bucketed: bool
+    stream_events_capped: bool = False   # MAX_STREAM_EVENTS reached: older ones in the window not drawn
 
 
 def latest_tick(db: Path, run_id: int) -> dict | None:
@@ -62,10 +63,11 @@ def _forwards(db: Path, run_id: int, start_ns: int, num_forwards: int, end_ns: i
         frame = query_df(db, """
             SELECT t.tick, t.t_ns / 1e6 AS start_ms, t.duration_ns / 1e6 AS dur_ms, t.path,
                    t.num_prefill_tokens, t.num_decode_tokens,
-                   c.request_id, c.chunk_len, c.decode_width
+                   c.request_id, c.chunk_len, c.decode_width, c.cap_rule, c.mix_blocker
             FROM ticks t LEFT JOIN (
                 SELECT tick, MIN(request_id) AS request_id, SUM(length) AS chunk_len,
-                       MAX(decode_width) AS decode_width
+                       MAX(decode_width) AS decode_width, MIN(cap_rule) AS cap_rule,
+                       MIN(mix_blocker) AS mix_blocker
                 FROM chunks WHERE run_id = ? AND t_ns >= ? GROUP BY tick) c ON c.tick = t.tick
             WHERE t.run_id = ? AND t.t_ns >= ? AND t.path != 'idle' ORDER BY t.tick""",
                          [run_id, start_ns, run_id, start_ns])
@@ -116,7 +118,8 @@ def timeline_window(db: Path, run_id: int, window_s: float) -> TimelineWindow | 
     levers = query_df(db, "SELECT t_ns / 1e6 AS t_ms, tick, name, old, new, status FROM lever_changes "
                           "WHERE run_id = ? AND tick >= ? ORDER BY tick LIMIT ?", [run_id, first_tick, MAX_MARKERS])
     return TimelineWindow(forwards, streams, _links(streams), preemptions, levers,
-                          start_ns / NS_PER_MS, end_ns / NS_PER_MS, num_forwards, is_bucketed)
+                          start_ns / NS_PER_MS, end_ns / NS_PER_MS, num_forwards, is_bucketed,
+                          stream_events_capped=len(streams) >= MAX_STREAM_EVENTS)
 
 
 def _newest(db: Path, sql: str, run_id: int) -> int:
@@ -149,7 +152,10 @@ def latency_percentiles(db: Path, run_id: int, is_recent: bool = True) -> pd.Dat
                                    run_id) - ITL_RECENT_TOKENS)
         # "+run_id" keeps SQLite on the primary-key range instead of the run's whole index.
         itl_filter, itl_params = "AND id > ?", [min_token]
-        scope = f"newest {RECENT_REQUESTS} requests / {ITL_RECENT_TOKENS} tokens"
+        # Say the scope that applies: a young run has fewer requests than the cap.
+        num_requests = min(RECENT_REQUESTS, max_request + 1)
+        scope = (f"newest {RECENT_REQUESTS:,} requests / {ITL_RECENT_TOKENS:,} tokens"
+                 if num_requests == RECENT_REQUESTS else f"all {num_requests:,} requests so far")
     else:
         step = max(1, -(-(max_request + 1) // WHOLE_RUN_REQUESTS))
         request_filter, request_params = f"AND request_id IN ({SAMPLED_IDS})", [step, step, max_request]

@@ -17,21 +17,34 @@ class BadSearch(ValueError):
     """The search box text is not an id, a range or a list of ids."""
 
 
+MAX_REQUEST_ID = 2**63 - 1        # SQLite's INTEGER: a larger id cannot exist and cannot be bound
+
+
+def parse_request_id(text: str, what: str = "request id") -> int:
+    """One id typed by a user: ASCII digits within SQLite's range, else BadSearch saying so."""
+    if not re.fullmatch(r"[0-9]+", text):
+        raise BadSearch(f"{what} {text!r} is not a number (type digits 0-9)")
+    value = int(text)
+    if value > MAX_REQUEST_ID:
+        raise BadSearch(f"{what} {text!r} is too large (request ids are at most {MAX_REQUEST_ID})")
+    return value
+
+
 def parse_search(text: str) -> tuple[int, int] | list[int] | None:
     """``""`` -> None (newest), ``"12"`` / ``"3, 7"`` -> ids, ``"10-20"`` -> inclusive range."""
     text = (text or "").strip()
     if not text:
         return None
-    match = re.fullmatch(r"(\d+)\s*-\s*(\d+)", text)
+    match = re.fullmatch(r"([0-9]+)\s*-\s*([0-9]+)", text)
     if match:
-        lo, hi = int(match[1]), int(match[2])
+        lo, hi = parse_request_id(match[1], "range start"), parse_request_id(match[2], "range end")
         if lo > hi:
             raise BadSearch(f"request range {text!r}: start {lo} is after end {hi}")
         return lo, hi
     parts = [p for p in re.split(r"[,\s]+", text) if p]
-    if not all(p.isdigit() for p in parts):
+    if not all(re.fullmatch(r"[0-9]+", p) for p in parts):
         raise BadSearch(f"request search {text!r}: type an id (12), ids (3, 7) or a range (10-20)")
-    return [int(p) for p in parts]
+    return [parse_request_id(p) for p in parts]
 
 
 def status_counts(db: Path, run_id: int) -> dict[str, int]:

@@ -12,6 +12,7 @@ from dashboard.queries_live import latency_percentiles
 from dashboard.queries_totals import run_totals_of
 from telemetry import events as ev
 from telemetry.procs import is_pid_alive
+from telemetry.schema import json_value
 
 RUN_COLUMNS = ("run_id", "started_at", "finished_at", "model", "device", "status", "pid", "hostname",
                "num_events", "num_dropped", "writer_error", "workload", "levers", "config")
@@ -79,3 +80,27 @@ def run_metrics(db: Path, run_id: int) -> dict:
             value = latency.loc[metric, f"{pct}_ms"]
             metrics[f"{metric} {pct} ms"] = None if value is None or pd.isna(value) else float(value)
     return metrics
+
+
+def applied_lever_changes(db: Path, run_id: int, limit: int = 2000) -> list[dict]:
+    """The run's applied lever changes in the order the engine applied them."""
+    frame = query_df(db, "SELECT name, new, tick, source FROM lever_changes WHERE run_id = ? AND status = 'applied' "
+                         "ORDER BY id LIMIT ?", [run_id, int(limit)])
+    return frame.to_dict("records")
+
+
+def levers_in_effect(start: dict, changes: list[dict]) -> tuple[dict, dict[str, str]]:
+    """(values at the first tick, later changes per lever as text).
+
+    The run row holds defaults + environment; a levers file present at start is applied at
+    tick 0, before the first forward, so those changes belong to the starting values.
+    """
+    first = dict(start)
+    later: dict[str, list[str]] = {}
+    for change in changes:
+        value = json_value(change["new"])
+        if int(change["tick"] or 0) == 0:
+            first[change["name"]] = value
+        else:
+            later.setdefault(change["name"], []).append(f"tick {int(change['tick'])}: {value}")
+    return first, {name: "; ".join(items) for name, items in later.items()}

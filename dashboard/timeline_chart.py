@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from dashboard.palette import KIND_SYMBOLS, PATH_COLORS, path_color
+from dashboard.palette import FALLBACK_COLOR, KIND_COLORS, KIND_SYMBOLS, LEVER_COLOR, PATH_COLORS, path_color
 
 LANES = ("events", "scheduler", "default", "prefill", "secondary")
 STREAM_LANES = ("default", "prefill", "secondary")
@@ -28,7 +28,9 @@ TIMELINE_UIREVISION = "chunkscope-live-timeline"
 # 10k-interval figure cheap to build and to serialize.
 LANE_Y = {lane: float(len(LANES) - 1 - i) for i, lane in enumerate(LANES)}
 
-_CHUNK_HOVER = "<br>chunk: request %{customdata[3]}, %{customdata[4]} tokens, decode width %{customdata[5]}"
+_CHUNK_HOVER = ("<br>chunk: request %{customdata[3]}, %{customdata[4]} tokens, decode width %{customdata[5]}"
+                "<br>%{text}")
+MAX_LEVER_LINES = 20     # labelled vertical lines; more changes in the window stay markers only
 _FORWARD_HOVER = (
     "tick %{customdata[0]} · %{fullData.name}<br>"
     "start %{base:.2f} ms, %{x:.3f} ms<br>"
@@ -48,13 +50,24 @@ def _forward_bars(forwards: pd.DataFrame) -> list[go.Bar]:
     for path, rows in forwards.groupby("path", sort=True):
         has_chunk = path != "decode"
         traces.append(go.Bar(
-            name=f"{path} forward", y=np.full(len(rows), LANE_Y["scheduler"]),
+            name=f"{path} forward", y=np.full(len(rows), LANE_Y["scheduler"]), text=_chunk_text(rows),
+            textposition="none",
             base=rows["start_ms"].to_numpy(dtype=float), x=rows["dur_ms"].to_numpy(dtype=float),
             orientation="h", marker_color=path_color(path), width=0.6, legendgroup=str(path),
             customdata=rows[_FORWARD_COLUMNS].to_numpy(dtype=float),
             hovertemplate=_FORWARD_HOVER + (_CHUNK_HOVER if has_chunk else "") + "<extra></extra>",
         ))
     return traces
+
+
+def _chunk_text(rows: pd.DataFrame) -> list[str]:
+    """Each forward's chunk decision for the hover: the cap rule that set its length, the mix blocker."""
+    if "cap_rule" not in rows:
+        return [""] * len(rows)
+    caps = rows["cap_rule"].fillna("–").astype(str)
+    blockers = rows["mix_blocker"].fillna("none").astype(str)
+    return [f"cap rule {c} · mix blocker {b} (Requests page: search the request id)"
+            for c, b in zip(caps, blockers)]
 
 
 def _forward_segments(segments: pd.DataFrame) -> list[go.Scattergl]:
@@ -89,7 +102,8 @@ def _stream_traces(stream_events: pd.DataFrame, links: pd.DataFrame) -> list:
         lanes = rows["target_stream"].fillna(rows["stream"]) if "target_stream" in rows else rows["stream"]
         traces.append(go.Scatter(
             name=f"stream {kind}", x=rows["t_ms"].to_numpy(dtype=float), y=lane_y(lanes), mode="markers",
-            marker={"symbol": KIND_SYMBOLS.get(str(kind), "circle"), "size": 9},
+            marker={"symbol": KIND_SYMBOLS.get(str(kind), "circle"), "size": 9,
+                    "color": KIND_COLORS.get(str(kind), FALLBACK_COLOR)},
             customdata=rows[["seq", "tick"]].to_numpy(dtype=float), text=rows["event_name"].astype(str).tolist(),
             hovertemplate=f"{kind} %{{text}} (seq %{{customdata[0]}}, tick %{{customdata[1]}})"
                           " at %{x:.2f} ms<extra></extra>",
@@ -123,7 +137,7 @@ def _marker_traces(preemptions: pd.DataFrame, lever_changes: pd.DataFrame) -> li
         traces.append(go.Scatter(
             name="lever change", x=lever_changes["t_ms"].to_numpy(dtype=float),
             y=np.full(len(lever_changes), LANE_Y["events"]), mode="markers", text=text,
-            marker={"symbol": "diamond", "size": 11, "color": "#ff7f0e"}, hovertemplate="%{text}<extra></extra>",
+            marker={"symbol": "diamond", "size": 11, "color": LEVER_COLOR}, hovertemplate="%{text}<extra></extra>",
         ))
     return traces
 
@@ -135,6 +149,7 @@ def timeline_figure(
     preemptions: pd.DataFrame,
     lever_changes: pd.DataFrame,
     x_range: tuple[float, float] | None = None,
+    stream_events_cap: int | None = None,
 ) -> go.Figure:
     """Build the lane timeline.
 
@@ -142,7 +157,8 @@ def timeline_figure(
     ``path``, token counts, chunk columns) or, when already downsampled in SQL,
     one row per (time bucket, path) with ``start_ms``, ``end_ms``, ``num_ticks``,
     ``num_tokens``. Bucketed rows, or more than ``WEBGL_THRESHOLD`` raw rows,
-    are drawn as WebGL segments.
+    are drawn as WebGL segments. Applied lever changes are labelled vertical lines.
+    ``stream_events_cap``: the stream events were cut at this many; the chart says so.
     """
     is_bucketed = "end_ms" in forwards.columns
     if is_bucketed:
@@ -167,7 +183,20 @@ def timeline_figure(
         yaxis={"tickmode": "array", "tickvals": [LANE_Y[lane] for lane in LANES], "ticktext": list(LANES),
                "range": [-0.5, len(LANES) - 0.5], "zeroline": False, "fixedrange": True, "automargin": True},
     )
+    _lever_lines(fig, lever_changes)
+    if stream_events_cap:
+        fig.add_annotation(text=f"stream events: only the newest {stream_events_cap:,} in this window are drawn",
+                           xref="paper", yref="paper", x=0, y=-0.18, showarrow=False, xanchor="left",
+                           font={"size": 11, "color": "#8c564b"})
     return fig
+
+
+def _lever_lines(fig: go.Figure, lever_changes: pd.DataFrame) -> None:
+    applied = lever_changes[lever_changes["status"] == "applied"] if len(lever_changes) else lever_changes
+    for change in applied.tail(MAX_LEVER_LINES).itertuples():
+        fig.add_vline(x=float(change.t_ms), line={"color": LEVER_COLOR, "width": 1, "dash": "dash"},
+                      annotation={"text": f"{change.name}={change.new}", "font": {"size": 10, "color": LEVER_COLOR},
+                                  "textangle": -90, "yanchor": "top"}, annotation_position="top right")
 
 
 __all__ = ["LANES", "LANE_Y", "STREAM_LANES", "WEBGL_THRESHOLD", "TIMELINE_UIREVISION", "timeline_figure", "PATH_COLORS"]

@@ -7,6 +7,7 @@ module provides ``add_parser(subparsers)`` that registers its sub-parser with
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from engine import generate, replay, serve
@@ -18,7 +19,8 @@ from engine.cache.kv import KVCacheExhausted  # noqa: E402
 from engine.cache.ssm_pool import SSMPoolExhausted  # noqa: E402
 from engine.model.loader import CheckpointError  # noqa: E402
 
-USER_ERRORS = (ValueError, CheckpointError, KVCacheExhausted, SSMPoolExhausted, FileNotFoundError)
+USER_ERRORS = (ValueError, CheckpointError, KVCacheExhausted, SSMPoolExhausted, OSError)
+TRACEBACK_ENV = "CHUNKSCOPE_TRACEBACK"   # set to 1 to see the traceback of an unexpected error
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -35,8 +37,26 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except USER_ERRORS as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {one_line(err)}", file=sys.stderr)
         return 2
+    except MemoryError:
+        print("error: out of memory: ask for fewer KV blocks, SSM slots or tokens", file=sys.stderr)
+        return 2
+    except Exception as err:  # a bug: one line for the user, the traceback on request
+        if os.environ.get(TRACEBACK_ENV) == "1":
+            raise
+        print(f"error: unexpected {type(err).__name__}: {one_line(err)} (set {TRACEBACK_ENV}=1 for the "
+              f"traceback)", file=sys.stderr)
+        return 1
+
+
+def one_line(err: BaseException) -> str:
+    """The error's message on one line (an OSError with its path, long paths shortened)."""
+    if isinstance(err, OSError) and err.strerror:
+        name = str(err.filename or "")
+        name = name if len(name) <= 200 else name[:100] + "..." + name[-40:]
+        return f"{err.strerror}: {name}" if name else err.strerror
+    return " ".join(str(err).split()) or type(err).__name__
 
 
 if __name__ == "__main__":

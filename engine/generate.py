@@ -13,6 +13,7 @@ from engine.scheduler.loop import Scheduler
 from engine.scheduler.mixing import SPECULATION_KINDS
 from engine.scheduler.sampling import SamplingParams, make_generator, sample_next
 from engine.sequence import SequenceState
+from telemetry import cli_args
 from telemetry import events as ev
 from telemetry.levers import LEVERS_BY_NAME, defaults
 
@@ -26,8 +27,8 @@ def parse_ids(text: str) -> list[int]:
         raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
 
 
-def generate(model, tokenizer, prompt: list[int], params: SamplingParams, stop_at_eos: bool = True) -> dict:
-    """Greedy or sampled continuation of ``prompt``; returns {"tokens": [...], "text": str | None}."""
+def check_request(model, prompt: list[int], params: SamplingParams) -> int:
+    """Refuse a prompt or sampling the model cannot run (one-line ValueError); returns prompt + max tokens."""
     vocab = model.config.vocab_size
     if not prompt:
         raise ValueError("prompt is empty: give --prompt-ids or a non-empty --prompt")
@@ -40,7 +41,18 @@ def generate(model, tokenizer, prompt: list[int], params: SamplingParams, stop_a
         raise ValueError(f"--prompt-ids: {len(prompt)} tokens do not fit the model's context of {max_context}")
     params.validate(vocab)
     total = len(prompt) + params.max_tokens
-    runner = ModelRunner(model, num_kv_blocks=-(-total // 16) + 1, num_ssm_slots=1)
+    if total > max_context:
+        raise ValueError(f"--max-tokens {params.max_tokens}: with the {len(prompt)}-token prompt that is {total} "
+                         f"tokens, more than the model's context of {max_context}")
+    return total
+
+
+def generate(model, tokenizer, prompt: list[int], params: SamplingParams, stop_at_eos: bool = True) -> dict:
+    """Greedy or sampled continuation of ``prompt``; returns {"tokens": [...], "text": str | None}."""
+    total = check_request(model, prompt, params)
+    weight = next(model.parameters())   # the caches hold what the weights compute in (bfloat16 too)
+    runner = ModelRunner(model, num_kv_blocks=-(-total // 16) + 1, num_ssm_slots=1, device=weight.device,
+                         dtype=weight.dtype)
     seq = SequenceState(request_id=0)
     runner.admit(seq)
     eos_ids = {model.eos_token_id} if model.eos_token_id is not None else set()
@@ -66,13 +78,12 @@ def generate_speculative(model, tokenizer, prompt: list[int], params: SamplingPa
                          num_speculative_tokens: int, stop_at_eos: bool = True) -> dict:
     """As ``generate``, through the scheduler with the ``speculation`` lever set (the speculative step
     lives there); adds ``"spec": {"drafted", "accepted", "steps"}`` summed over its steps."""
-    if not prompt:
-        raise ValueError("prompt is empty: give --prompt-ids or a non-empty --prompt")
-    params.validate(model.config.vocab_size)
+    total = check_request(model, prompt, params) + num_speculative_tokens + 1  # + a last step's drafts
     levers = defaults().replace(speculation=speculation, num_speculative_tokens=num_speculative_tokens)
     rows: list = []
-    total = len(prompt) + params.max_tokens + 8 + 1  # + the drafts a last step may cache
-    runner = ModelRunner(model, num_kv_blocks=-(-total // 16) + 1, num_ssm_slots=1)
+    weight = next(model.parameters())
+    runner = ModelRunner(model, num_kv_blocks=-(-total // 16) + 1, num_ssm_slots=1, device=weight.device,
+                         dtype=weight.dtype)
     sched = Scheduler(runner, levers, emit=rows.append)
     refused = [r.reason for r in rows if isinstance(r, ev.LeverChange) and r.status == "rejected"]
     if refused:
@@ -102,17 +113,17 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--prompt-ids", type=str, default=None, help="comma-separated token ids, e.g. 1,2,3")
     parser.add_argument("--prompt", type=str, default=None, help="prompt text (needs the model's tokenizer)")
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--temperature", type=cli_args.finite_float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--top-p", type=cli_args.finite_float, default=1.0)
+    parser.add_argument("--min-p", type=cli_args.finite_float, default=0.0)
+    parser.add_argument("--seed", type=cli_args.seed, default=None)
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--speculation", choices=SPECULATION_KINDS, default=None,
                         help='speculative decoding kind; adds "spec": {drafted, accepted, steps} to --json')
     k = LEVERS_BY_NAME["num_speculative_tokens"]
-    parser.add_argument("--num-speculative-tokens", type=int, default=k.default,
+    parser.add_argument("--num-speculative-tokens", type=cli_args.bounded_int(*k.bounds), default=k.default,
                         help=f"drafts per speculative step ({k.describe_range()})")
     parser.add_argument("--json", action="store_true", help='print {"tokens": [...], "text": ...}')
     parser.set_defaults(func=run)
@@ -134,7 +145,6 @@ def run(args: argparse.Namespace) -> int:
     if args.speculation is None:
         result = generate(model, tokenizer, prompt, params, stop_at_eos=not args.ignore_eos)
     else:
-        LEVERS_BY_NAME["num_speculative_tokens"].check(args.num_speculative_tokens)
         result = generate_speculative(model, tokenizer, prompt, params, args.speculation,
                                       args.num_speculative_tokens, stop_at_eos=not args.ignore_eos)
     if args.json:

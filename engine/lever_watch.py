@@ -15,7 +15,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from watchdog.events import FileSystemEvent, FileSystemEventHandler
+from watchdog.events import (EVENT_TYPE_CLOSED_NO_WRITE, EVENT_TYPE_OPENED, FileSystemEvent,
+                             FileSystemEventHandler)
 from watchdog.observers import Observer
 
 from telemetry.levers import MAX_FILE_BYTES, LeverValues, LeversReadResult, levers_from_bytes
@@ -41,6 +42,10 @@ class _FlagOnChange(FileSystemEventHandler):
         self._flag = flag
 
     def on_any_event(self, event: FileSystemEvent) -> None:
+        # Our own read of the file raises open / close-without-write events: reacting to them
+        # would re-read the file every tick (and re-log a refused lever every tick).
+        if event.event_type in (EVENT_TYPE_OPENED, EVENT_TYPE_CLOSED_NO_WRITE):
+            return
         # An atomic replace arrives as a move whose destination is the file.
         paths = {os.fspath(event.src_path), os.fspath(getattr(event, "dest_path", "") or "")}
         if self._path in paths:
@@ -48,7 +53,8 @@ class _FlagOnChange(FileSystemEventHandler):
 
 
 class LeverWatcher:
-    """Turns levers-file events into validated updates, at most one rejection log per bad content."""
+    """Turns levers-file events into validated updates: each file content is handed over once, so
+    a rejection (by validation here, or by the engine refusing a value) is logged once per version."""
 
     def __init__(self, path: str | os.PathLike, base: LeverValues, *, use_observer: bool = True) -> None:
         self.path = os.path.abspath(os.fspath(path))
@@ -58,8 +64,9 @@ class LeverWatcher:
         self._observer: Observer | None = None
         self._last_stat: tuple[int, int] | None = None
         self._last_stat_check = 0.0
-        self._last_rejected_digest: str | None = None
+        self._last_digest: str | None = None  # the content last handed over (applied, refused or rejected)
         self.applied_version: int | None = None
+        self.num_reads = 0                   # file reads so far (a test proves unchanged files are not re-read)
         if use_observer:
             self._start_observer()
 
@@ -81,36 +88,47 @@ class LeverWatcher:
             self._observer.join(timeout=2)
             self._observer = None
 
+    def wait_for_change(self, timeout_s: float) -> bool:
+        """Block up to ``timeout_s`` until the observer flags the file; True when it did.
+
+        The loop waits here when no step can run (a stall), instead of spinning.
+        """
+        return self._dirty.wait(timeout_s)
+
     def _stat_changed(self) -> bool:
         now = time.monotonic()
         if now - self._last_stat_check < STAT_RECHECK_S:
             return False
         self._last_stat_check = now
-        try:
-            st = os.stat(self.path)
-            stat = (st.st_mtime_ns, st.st_size)
-        except OSError:
-            stat = None
+        stat = self._stat()
         changed = stat != self._last_stat
         self._last_stat = stat
         return changed
+
+    def _stat(self) -> tuple[int, int] | None:
+        try:
+            st = os.stat(self.path)
+            return st.st_mtime_ns, st.st_size
+        except OSError:
+            return None
 
     def poll(self, current: LeverValues) -> LeverUpdate | None:
         """Called at a tick boundary; returns an update when the file changed since the last poll."""
         if not (self._dirty.is_set() or self._stat_changed()):
             return None
         self._dirty.clear()
+        self._last_stat = self._stat()       # the stat check compares against what this read saw
+        self.num_reads += 1
         found = _read_once(self.path, self.base)
         if found is None:
             return None                      # deleted: keep the last good values
         result, digest = found
+        if digest == self._last_digest:
+            return None                      # this exact content was already applied or rejected
+        self._last_digest = digest
         if result.error is not None:
-            if digest == self._last_rejected_digest:
-                return None                  # already reported this exact bad content
-            self._last_rejected_digest = digest
             log.warning("levers: rejected, keeping previous values: %s", result.error)
             return LeverUpdate(current, {}, None, result.error)
-        self._last_rejected_digest = None
         self.applied_version = result.version
         changes = result.values.changes_from(current)
         if not changes:

@@ -27,12 +27,14 @@ from typing import Any
 
 import torch
 
+from engine import replay_flips
 from engine.engine_setup import build_engine, checkpoint_dir_of, checkpoint_hash
 from engine.model.fault import ForwardFault
 from engine.replay_compare import ReplayedRequest, ReplayedRun, compare, text_report
 from engine.replay_record import RecordedRun, ReplayInputError, load_recorded_run
 from telemetry import events as ev
 from telemetry.levers import LEVERS_BY_NAME, LeverValues, LeversError, defaults
+from telemetry import cli_args
 
 log = logging.getLogger("chunkscope.replay")
 
@@ -40,7 +42,7 @@ log = logging.getLogger("chunkscope.replay")
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("replay", help="re-run a recorded run and compare decisions and tokens")
     p.add_argument("bundle", help="a bug-report bundle (.zip), or a telemetry.db / run directory")
-    p.add_argument("--run", type=int, default=None, help="run id inside a telemetry.db (default: latest)")
+    p.add_argument("--run", type=cli_args.run_id, default=None, help="run id inside a telemetry.db (default: latest)")
     p.add_argument("--json", action="store_true", help="print the comparison as one JSON object")
     p.add_argument("--flip", action="append", default=[], metavar="NAME=VALUE",
                    help="override a lever for the whole replay (repeatable), e.g. bisect_no_mix=true")
@@ -138,16 +140,20 @@ def replay_run(recorded: RecordedRun, *, model: str = "tiny", flips: dict[str, A
                          emit=collect,  # only the rows a comparison needs are kept
                          fault=ForwardFault.parse(config["fault_forward"]) if config.get("fault_forward") else None)
     sched = setup.scheduler
-    submitted, lever_log = drive(sched, recorded, flips, cut_at_tick=None if flips else recorded.num_ticks)
+    replay_flips.check_model_can_honour(flips, setup.model)
+    submitted, lever_log = drive(sched, recorded, flips, cut_at_tick=None if flips else recorded.num_ticks,
+                                 cut_lengths=replay_flips.recorded_cut_lengths(recorded) if flips else None)
     # From the submitted objects, in submission order (``sched.done`` holds them in end order).
     done = {r.request_id: ReplayedRequest(r.request_id, r.status, r.error, list(r.output_tokens))
             for r in submitted}
     return ReplayedRun(rows[ev.ChunkDecision], rows[ev.Tick], rows[ev.TokenEvent], done, lever_log)
 
 
-def drive(sched, recorded: RecordedRun, flips: dict[str, Any], *,
-          cut_at_tick: int | None) -> tuple[list[Any], list[dict]]:
+def drive(sched, recorded: RecordedRun, flips: dict[str, Any], *, cut_at_tick: int | None,
+          cut_lengths: dict[int, int] | None = None) -> tuple[list[Any], list[dict]]:
     """Submit arrivals and apply lever changes at their recorded ticks, stepping like ``serve``.
+
+    ``cut_lengths``: requests the recording cut short end where it did (a flipped replay).
 
     Returns the submitted Request objects (in submission order) and the lever log."""
     pending = deque(recorded.requests)
@@ -174,6 +180,8 @@ def drive(sched, recorded: RecordedRun, flips: dict[str, Any], *,
 
     while cut_at_tick is None or sched.tick < cut_at_tick:
         arrivals_and_levers()
+        if cut_lengths:
+            replay_flips.cut_where_recorded(sched, cut_lengths)
         if sched.has_work and sched.step():
             continue
         if not pending:
@@ -193,6 +201,9 @@ def drive(sched, recorded: RecordedRun, flips: dict[str, Any], *,
 def run(args: argparse.Namespace) -> int:
     flips = parse_flips(args.flip)
     recorded, _manifest = load_input(args.bundle, args.run)
+    flips, no_op_notes = replay_flips.split_no_op_flips(recorded, flips)
+    for note in no_op_notes:
+        print(note, file=sys.stderr)
     model, warnings = resolve_model(recorded, args.model, ignore_hash=args.ignore_checkpoint_hash)
     for warning in warnings:
         print(warning, file=sys.stderr)
@@ -201,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
     report["flips"] = flips
     report["run_id"] = recorded.run_id
     report["lever_changes_replayed"] = replayed.lever_log
-    report["notes"] = list(recorded.notes) + warnings
+    report["notes"] = list(recorded.notes) + warnings + no_op_notes
     if args.json:
         print(json.dumps(report, default=str))
     else:

@@ -19,6 +19,8 @@ import torch
 
 from engine.engine_setup import EngineSetup, build_engine, run_started_row
 from engine.lever_watch import LeverWatcher
+from engine.run_dir_lock import lock_run_dir
+from engine.stall_watch import STALL_WAIT_S, StallWatch
 from engine.model.fault import ENV_VAR as FAULT_ENV_VAR, ForwardFault
 from engine.workload.request import RequestSpec
 from engine.workload_feed import WorkloadFeed
@@ -26,10 +28,14 @@ from telemetry.levers import defaults, from_env
 from telemetry.engine_status import StatusReporter
 from telemetry.writer import TelemetryWriteError, TelemetryWriter, mark_crashed_runs
 from telemetry import events as ev
+from telemetry import cli_args
+from telemetry.cli_args import bounded_float, bounded_int
 
 log = logging.getLogger("chunkscope.serve")
 IDLE_SLEEP_S = 0.02
-DONE_KEPT = 1024  # ended requests held in memory by an endless server (their rows are in SQLite)
+DONE_KEPT = 1024
+MAX_KV_BLOCKS = 1 << 22   # 64M tokens of 16: beyond it the cache cannot be allocated anyway
+MAX_SSM_SLOTS = 4096  # ended requests held in memory by an endless server (their rows are in SQLite)
 
 
 def add_parser(subparsers) -> None:
@@ -38,18 +44,23 @@ def add_parser(subparsers) -> None:
     p.add_argument("--run-dir", required=True, help="directory for telemetry.db and levers.json")
     p.add_argument("--workload", default="synthetic",
                    help="synthetic | multiturn | trace:PATH | bundle:PATH (default synthetic)")
-    p.add_argument("--rate", type=float, default=4.0, help="arrival rate, requests/s (synthetic, multiturn)")
-    p.add_argument("--requests", type=int, default=None, help="stop after this many requests (default: endless)")
-    p.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
-    p.add_argument("--kv-blocks", type=int, default=512, help="physical KV blocks (16 tokens each)")
-    p.add_argument("--ssm-slots", type=int, default=32, help="SSM state slots = most sequences at once")
-    p.add_argument("--seed", type=int, default=0, help="workload and sampling seed")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--rate", type=bounded_float(0.0, 1e6, low_open=True), default=4.0,
+                   help="arrival rate, requests/s (synthetic, multiturn)")
+    p.add_argument("--requests", type=cli_args.positive_int, default=None,
+                   help="stop after this many requests (default: endless)")
+    p.add_argument("--duration", type=cli_args.positive_float, default=None, help="stop after this many seconds")
+    p.add_argument("--kv-blocks", type=bounded_int(1, MAX_KV_BLOCKS), default=512,
+                   help="physical KV blocks (16 tokens each)")
+    p.add_argument("--ssm-slots", type=bounded_int(1, MAX_SSM_SLOTS), default=32,
+                   help="SSM state slots = most sequences at once")
+    p.add_argument("--seed", type=cli_args.seed, default=0, help="workload and sampling seed")
+    p.add_argument("--threads", type=bounded_int(1, 1024), default=None,
                    help="torch CPU threads (default: 1 for the tiny model, whose ops are too small to split)")
-    p.add_argument("--time-scale", type=float, default=1.0, help="trace: multiply inter-arrival gaps")
-    p.add_argument("--length-scale", type=float, default=1.0, help="trace: multiply prompt/output lengths")
-    p.add_argument("--limit", type=int, default=None, help="trace: number of rows to replay")
-    p.add_argument("--start", type=int, default=0, help="trace: first row to replay")
+    p.add_argument("--time-scale", type=cli_args.positive_float, default=1.0, help="trace: multiply inter-arrival gaps")
+    p.add_argument("--length-scale", type=cli_args.positive_float, default=1.0,
+                   help="trace: multiply prompt/output lengths")
+    p.add_argument("--limit", type=cli_args.positive_int, default=None, help="trace: number of rows to replay")
+    p.add_argument("--start", type=cli_args.non_negative_int, default=0, help="trace: first row to replay")
     p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse cached prompt prefixes (KV blocks + SSM snapshots); default on")
     p.add_argument("--no-telemetry", action="store_true", help="run without writing telemetry (benchmarks)")
@@ -58,7 +69,13 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ValueError(f"--run-dir {run_dir}: exists and is not a directory (or sits under a file)") from None
+    except OSError as exc:
+        raise ValueError(f"--run-dir {run_dir}: cannot create it: {exc.strerror or exc}") from None
+    lock = lock_run_dir(run_dir)   # a second engine on this directory stops here, before touching its files
     _setup_logging(run_dir)
     db_path = run_dir / "telemetry.db"
     base_levers = from_env(os.environ)
@@ -77,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
     status_file = StatusReporter(run_dir)
     _log_env_levers(sched)
     watcher = LeverWatcher(run_dir / "levers.json", base_levers)
+    stall = StallWatch()
     stop = _install_stop_handlers()
     status = "finished"
     t_start = time.monotonic()
@@ -90,9 +108,15 @@ def run(args: argparse.Namespace) -> int:
                 _submit(sched, spec)
             _poll_levers(sched, watcher)
             _report_writer_health(sched, writer)
-            status_file.maybe_write(_status_fields(sched, writer, telemetry_error, "serving"))
+            status_file.maybe_write(_status_fields(sched, writer, telemetry_error, "serving", stall))
             if sched.has_work:
-                sched.step()
+                was_blocked = stall.blocker
+                if stall.after_step(sched, sched.step()):
+                    if stall.blocker != was_blocked:  # a new blocker reaches the heartbeat at once
+                        status_file.maybe_write(_status_fields(sched, writer, telemetry_error, "serving", stall),
+                                                force=True)
+                    # Nothing can run until a lever changes, a request arrives or a stop comes.
+                    watcher.wait_for_change(min(STALL_WAIT_S, max(0.0, feed.next_arrival_s() - elapsed)))
             elif feed.is_exhausted:
                 break
             else:
@@ -106,8 +130,10 @@ def run(args: argparse.Namespace) -> int:
         sched.stop()
         if writer is not None:
             writer.close(status)
-        status_file.maybe_write(_status_fields(sched, writer, telemetry_error, status), force=True)
+        status_file.maybe_write(_status_fields(sched, writer, telemetry_error, status, stall), force=True)
         log.info("run %s after %d ticks", status, sched.tick)
+        if lock is not None:
+            lock.close()
     return 0
 
 
@@ -136,9 +162,10 @@ def _open_telemetry(db_path: Path, setup: EngineSetup, args, feed) -> tuple[Tele
     return None, error
 
 
-def _status_fields(sched, writer, telemetry_error: str | None, state: str) -> dict:
-    """What the heartbeat file says: progress, queue sizes and telemetry health."""
+def _status_fields(sched, writer, telemetry_error: str | None, state: str, stall: StallWatch) -> dict:
+    """What the heartbeat file says: progress, queue sizes, caches, the blocker and telemetry health."""
     return {
+        **stall.status_fields(sched),
         "state": state, "run_id": writer.run_id if writer is not None else None, "tick": sched.tick,
         "num_waiting": len(sched.waiting), "num_active": len(sched.active),
         "num_prefilling": int(sched.prefilling is not None), "num_done": sched.num_done,
@@ -212,15 +239,24 @@ def _setup_logging(run_dir: Path) -> None:
     logging.raiseExceptions = False
     if not root.handlers:
         handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
-        try:
-            handlers.append(logging.FileHandler(run_dir / "engine.log"))
-        except OSError as exc:  # an unwritable run dir: serve anyway, stderr is the only log
-            file_error = f"cannot write {run_dir / 'engine.log'}: {exc.strerror or exc}; logging to stderr only"
-        else:
-            file_error = None
+        file_error = None
+        if not _is_same_file(sys.stderr, run_dir / "engine.log"):  # the dashboard sends stderr there already
+            try:
+                handlers.append(logging.FileHandler(run_dir / "engine.log"))
+            except OSError as exc:  # an unwritable run dir: serve anyway, stderr is the only log
+                file_error = f"cannot write {run_dir / 'engine.log'}: {exc.strerror or exc}; logging to stderr only"
         for handler in handlers:
             handler.setFormatter(fmt)
             root.addHandler(handler)
         if file_error:
             log.error(file_error)
     torch.set_grad_enabled(False)
+
+
+def _is_same_file(stream, path: Path) -> bool:
+    """True when ``stream`` already writes ``path`` (a second handler would log every line twice)."""
+    try:
+        mine, theirs = os.fstat(stream.fileno()), os.stat(path)
+    except (OSError, ValueError, AttributeError):
+        return False
+    return (mine.st_dev, mine.st_ino) == (theirs.st_dev, theirs.st_ino)

@@ -86,6 +86,7 @@ from pathlib import Path
 from typing import Any
 
 from telemetry.events import SCHEMA_VERSION
+from telemetry.ro_uri import read_only_uri
 from telemetry.snapshot import restore_indexes
 
 _READ_CHUNK = 1 << 20
@@ -187,7 +188,7 @@ def _read_workload(path: Path, where: str) -> list[dict[str, Any]]:
 
 def _check_db(path: Path, run_id: int, where: str) -> None:
     try:
-        conn = sqlite3.connect(f"file:{path.resolve()}?mode=ro", uri=True)
+        conn = sqlite3.connect(read_only_uri(path), uri=True)
         try:
             run_ids = [r[0] for r in conn.execute("SELECT run_id FROM runs")]
         finally:

@@ -21,6 +21,7 @@ from telemetry import perfetto, snapshot
 from telemetry.bundle import BUNDLE_FORMAT, BUNDLE_MEMBERS, BundleError
 from telemetry.manifest import build_manifest, sanitize_text
 from telemetry.reader import TelemetryReader
+from telemetry.ro_uri import read_only_uri
 from telemetry.snapshot import SnapshotError, TimeWindow
 from telemetry.summary_md import build_summary_md
 
@@ -55,7 +56,7 @@ def _check_paths(db_path: Path, out_path: Path, allowed_root: Path | None, overw
             if not _is_within(path, allowed_root):
                 raise BundleError(f"{label} path {path} is outside the allowed directory {allowed_root}")
     if out_path.exists() and not overwrite:
-        raise BundleError(f"output {out_path} already exists; pass overwrite=True (CLI: --force) to replace it")
+        raise BundleError(f"output {out_path} already exists; choose another name, or replace it (--force)")
     if out_path.exists() and out_path.is_dir():
         raise BundleError(f"output {out_path} is a directory")
     if not out_path.parent.is_dir():
@@ -110,6 +111,7 @@ def export_bundle(db_path: str | os.PathLike, out_path: str | os.PathLike, *, ru
     try:
         window = TimeWindow.from_seconds(since_s, until_s)
         run_id = _resolve_run(db_path, run_id)
+        _check_window_has_rows(db_path, run_id, window)
     except (ValueError, SnapshotError) as exc:
         raise BundleError(str(exc)) from None
     work = Path(tempfile.mkdtemp(prefix="chunkscope-export-"))
@@ -125,6 +127,28 @@ def export_bundle(db_path: str | os.PathLike, out_path: str | os.PathLike, *, ru
         return ExportResult(out_path, run_id, out_path.stat().st_size, manifest)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _check_window_has_rows(db_path: Path, run_id: int, window: TimeWindow) -> None:
+    """A window that holds no tick of the run would build an empty bundle: refuse it, in seconds."""
+    if not window.is_windowed:
+        return
+    conn = sqlite3.connect(snapshot.read_only_uri(db_path), uri=True)
+    try:
+        first, last = conn.execute("SELECT min(t_ns), max(t_ns) FROM ticks WHERE run_id = ?", [run_id]).fetchone()
+        held = conn.execute("SELECT count(*) FROM ticks WHERE run_id = ? AND t_ns >= ? AND t_ns < ?",
+                            [run_id, window.since_ns or 0, window.until_ns or 2**63 - 1]).fetchone()[0]
+    except sqlite3.Error as exc:
+        raise SnapshotError(f"telemetry store {db_path}: {exc}") from None
+    finally:
+        conn.close()
+    if first is None:
+        raise SnapshotError(f"run {run_id} has no ticks, so no time window of it holds any")
+    if not held:
+        since = (window.since_ns or 0) / 1e9
+        until = "the end" if window.until_ns is None else f"{window.until_ns / 1e9:g} s"
+        raise SnapshotError(f"the time window {since:g} s to {until} holds no tick of run {run_id}: its ticks span "
+                            f"{first / 1e9:.3f} s to {last / 1e9:.3f} s")
 
 
 _RUN_TEXT_COLUMNS = ("command_line", "config", "model_config", "workload", "levers", "versions", "model",
@@ -154,7 +178,7 @@ def _manifest(members: dict[str, Path], run_id: int, window: TimeWindow, run_dir
     changes = reader.events_after("lever_changes", run_id, 0, limit=1_000_000)
     _write_workload(db, members["workload.jsonl"])
     perfetto.write_trace(db, members["trace.json.gz"], run_id)
-    with sqlite3.connect(f"file:{db.resolve()}?mode=ro", uri=True) as conn:
+    with sqlite3.connect(read_only_uri(db), uri=True) as conn:
         extent, counts = snapshot.data_extent(conn), snapshot.table_counts(conn)
     common = dict(run=run, lever_changes=changes, extent=extent, since_ns=window.since_ns,
                   until_ns=window.until_ns, counts=counts, run_dir=run_dir, bundle_format=BUNDLE_FORMAT,

@@ -27,7 +27,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     set_.set_defaults(handler=cmd_set)
 
     validate = actions.add_parser("validate", help="exit 0 for a valid file, 2 with one line otherwise")
-    validate.add_argument("path", metavar="FILE")
+    validate.add_argument("path", metavar="FILE", nargs="?", default=None,
+                          help="levers JSON file (or --file FILE, like get and set)")
+    validate.add_argument("--file", dest="file", default=None, help="levers JSON file")
     validate.set_defaults(handler=cmd_validate)
 
     list_ = actions.add_parser("list", help="every lever with type, default, range and help")
@@ -82,6 +84,9 @@ def cmd_set(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    if (args.path is None) == (args.file is None):
+        return _invalid("give the levers file once: --file FILE (or FILE)")
+    args.path = args.path or args.file
     try:
         with open(args.path, "rb") as handle:
             size = os.fstat(handle.fileno()).st_size

@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Any
 
 from telemetry import events as ev
 from telemetry.reader import TAILABLE_TABLES, TelemetryReader, TelemetryUnavailable
+from telemetry import cli_args
+from telemetry.cli_args import bounded_float
 
 
 ERRORS_NOTE = "  (" + " + ".join(ev.FAILURE_STATUSES) + ")"
@@ -22,14 +25,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     summary = subparsers.add_parser("summary", help="one run's counters and latency percentiles")
     summary.add_argument("--db", required=True)
-    summary.add_argument("--run", type=int, default=None, help="run id (default: the latest run)")
+    summary.add_argument("--run", type=cli_args.run_id, default=None, help="run id (default: the latest run)")
     summary.add_argument("--json", action="store_true")
     summary.set_defaults(handler=cmd_summary)
 
     tail = subparsers.add_parser("tail", help="print new events as they are written (Ctrl-C stops)")
     tail.add_argument("--db", required=True)
-    tail.add_argument("--run", type=int, default=None, help="run id (default: the latest run)")
-    tail.add_argument("--interval", type=float, default=0.25, help="poll interval in seconds")
+    tail.add_argument("--run", type=cli_args.run_id, default=None, help="run id (default: the latest run)")
+    tail.add_argument("--interval", type=bounded_float(0.01, 3600.0), default=0.25, help="poll interval in seconds")
     tail.add_argument("--once", action="store_true", help="print everything written so far and exit")
     tail.set_defaults(handler=cmd_tail)
 
@@ -39,7 +42,20 @@ def _fail(message: str) -> int:
     return 1
 
 
+def store_problem(db: str) -> str | None:
+    """Why ``db`` cannot be a telemetry store at all (absent, a directory), or None."""
+    if os.path.isdir(db):
+        inside = os.path.join(db, "telemetry.db")
+        hint = f"; did you mean {inside}?" if os.path.exists(inside) else ""
+        return f"{db} is a directory, not a telemetry store (--db takes the telemetry.db file){hint}"
+    if not os.path.exists(db):
+        return f"no telemetry store at {db}"
+    return None
+
+
 def cmd_runs(args: argparse.Namespace) -> int:
+    if (problem := store_problem(args.db)) is not None:
+        return _fail(problem)
     try:
         runs = TelemetryReader(args.db).list_runs()
     except TelemetryUnavailable as exc:
@@ -63,6 +79,8 @@ def _resolve_run(reader: TelemetryReader, run_id: int | None) -> int | None:
 
 
 def cmd_summary(args: argparse.Namespace) -> int:
+    if (problem := store_problem(args.db)) is not None:
+        return _fail(problem)
     reader = TelemetryReader(args.db)
     try:
         run_id = _resolve_run(reader, args.run)
@@ -91,6 +109,13 @@ def cmd_tail(args: argparse.Namespace) -> int:
     reader = TelemetryReader(args.db)
     last_ids = {table: 0 for table in TAILABLE_TABLES}
     run_id = args.run
+    if args.once:  # one look: what is not there now is an error, not something to wait for
+        try:
+            problem = store_problem(args.db) or _missing_run(reader, run_id, args.db)
+        except TelemetryUnavailable as exc:
+            problem = str(exc)
+        if problem is not None:
+            return _fail(problem)
     try:
         while True:
             try:
@@ -115,3 +140,9 @@ def cmd_tail(args: argparse.Namespace) -> int:
             time.sleep(args.interval)
     except KeyboardInterrupt:
         return 0
+
+
+def _missing_run(reader: TelemetryReader, run_id: int | None, db: str) -> str | None:
+    if run_id is None:
+        return None if reader.latest_run_id() is not None else f"no runs yet in {db}"
+    return None if reader.get_run(run_id) is not None else f"no run {run_id} in {db}"

@@ -28,6 +28,8 @@ import sqlite3
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from telemetry.ro_uri import read_only_uri
+
 PID = 1
 TRACKS = {"scheduler": 1, "default": 2, "prefill": 3, "secondary": 4}
 
@@ -180,7 +182,7 @@ def _instants(out: _TraceWriter, conn: sqlite3.Connection, run_id: int) -> None:
 
 def write_trace(db_path: str | Path, out_path: str | Path, run_id: int) -> int:
     """Convert run ``run_id`` of a (snapshot) database to gzipped Chrome trace JSON; returns the event count."""
-    conn = sqlite3.connect(f"file:{Path(db_path).resolve()}?mode=ro", uri=True)
+    conn = sqlite3.connect(read_only_uri(Path(db_path)), uri=True)
     conn.row_factory = sqlite3.Row
     try:
         end_of_data = conn.execute("SELECT max(t) FROM (SELECT max(t_ns + duration_ns) AS t FROM ticks WHERE "

@@ -15,11 +15,11 @@ import contextlib
 import json
 import os
 import sqlite3
-import urllib.parse
 from typing import Any, Iterator
 
 from telemetry import events as ev
 from telemetry import schema
+from telemetry.ro_uri import read_only_uri
 
 TAILABLE_TABLES = tuple(t for t in ev.TABLES if t not in ("runs", schema.REQUESTS_TABLE))
 _JSON_COLUMNS = {cls.TABLE: {n for n, h in schema.field_hints(cls).items() if schema.is_json_field(h)}
@@ -44,11 +44,11 @@ class TelemetryReader:
     def _connect(self) -> Iterator[sqlite3.Connection]:
         if not os.path.exists(self.db_path) or os.path.getsize(self.db_path) == 0:
             raise _NoTelemetryYet
-        uri = "file:" + urllib.parse.quote(os.path.abspath(self.db_path)) + "?mode=ro"
         try:
+            uri = read_only_uri(self.db_path)
             conn = sqlite3.connect(uri, uri=True, timeout=self._busy_timeout_ms / 1000,
                                    isolation_level=None, check_same_thread=False)
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, OSError) as exc:
             raise TelemetryUnavailable(f"cannot open telemetry store {self.db_path}: {exc}") from None
         conn.row_factory = sqlite3.Row
         try:

@@ -9,12 +9,13 @@ the freed pages so the bundle stays small.
 """
 from __future__ import annotations
 
+import math
 import os
 import sqlite3
-import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
+from telemetry import ro_uri
 from telemetry import events as ev
 from telemetry import run_totals, schema
 
@@ -23,6 +24,9 @@ EVENT_TABLES = tuple(cls.TABLE for cls in ev.EVENT_TYPES if cls.TABLE != schema.
 
 class SnapshotError(RuntimeError):
     """The source store cannot be snapshotted (missing, not SQLite, no such run)."""
+
+
+MAX_WINDOW_S = 9.2e9          # SQLite's largest integer, in ns, is about 292 years
 
 
 @dataclass(frozen=True)
@@ -36,9 +40,10 @@ class TimeWindow:
         for name in ("since_ns", "until_ns"):
             value = getattr(self, name)
             if value is not None and value < 0:
-                raise ValueError(f"time window {name} must be >= 0, got {value}")
+                raise ValueError(f"time window {name.removesuffix('_ns')} must be >= 0 s, got {value / 1e9:g} s")
         if self.since_ns is not None and self.until_ns is not None and self.until_ns <= self.since_ns:
-            raise ValueError(f"time window is empty: until ({self.until_ns} ns) <= since ({self.since_ns} ns)")
+            raise ValueError(f"time window is empty: until ({self.until_ns / 1e9:g} s) is not after since "
+                             f"({self.since_ns / 1e9:g} s)")
 
     @property
     def is_windowed(self) -> bool:
@@ -46,12 +51,18 @@ class TimeWindow:
 
     @classmethod
     def from_seconds(cls, since_s: float | None, until_s: float | None) -> "TimeWindow":
-        to_ns = lambda s: None if s is None else int(round(s * 1e9))  # noqa: E731
-        return cls(to_ns(since_s), to_ns(until_s))
+        def to_ns(name: str, seconds: float | None) -> int | None:
+            if seconds is None:
+                return None
+            if not math.isfinite(seconds) or abs(seconds) > MAX_WINDOW_S:
+                raise ValueError(f"time window {name} {seconds:g} s is not a time within a run "
+                                 f"(at most {MAX_WINDOW_S:g} s)")
+            return int(round(seconds * 1e9))
+        return cls(to_ns("since", since_s), to_ns("until", until_s))
 
 
-def _read_only_uri(path: Path) -> str:
-    return "file:" + urllib.parse.quote(str(path.resolve())) + "?mode=ro"
+def read_only_uri(path: Path) -> str:
+    return ro_uri.read_only_uri(path)
 
 
 def latest_run_id(db_path: Path) -> int | None:
@@ -63,7 +74,7 @@ def _open_source(db_path: Path) -> sqlite3.Connection:
     if not db_path.is_file():
         raise SnapshotError(f"telemetry store {db_path} does not exist")
     try:
-        conn = sqlite3.connect(_read_only_uri(db_path), uri=True, timeout=5.0, isolation_level=None)
+        conn = sqlite3.connect(read_only_uri(db_path), uri=True, timeout=5.0, isolation_level=None)
         conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
         conn.execute("SELECT 1 FROM runs LIMIT 1").fetchone()
     except sqlite3.Error as exc:

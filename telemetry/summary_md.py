@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from telemetry.reader import TelemetryReader
+from telemetry.ro_uri import read_only_uri
 from telemetry.schema import json_value
 
 TOP_PREEMPTIONS = 10
@@ -47,7 +48,7 @@ ORDER BY n DESC, first_ns
 def build_summary_md(db_path: str | Path, run_id: int, manifest: dict[str, Any]) -> str:
     """Markdown text for one run of a snapshot database."""
     summary = TelemetryReader(db_path).run_summary(run_id) or {}
-    conn = sqlite3.connect(f"file:{Path(db_path).resolve()}?mode=ro", uri=True)
+    conn = sqlite3.connect(read_only_uri(Path(db_path)), uri=True)
     conn.row_factory = sqlite3.Row
     try:
         errors = [dict(r) for r in conn.execute(_ERRORS_SQL)]

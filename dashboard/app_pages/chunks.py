@@ -6,6 +6,7 @@ import streamlit as st
 from dashboard import charts, context, data
 from dashboard.context import RunContext
 from dashboard.queries_chunks import BLOCKERS, CAP_RULES, NEWEST_SCOPE, PATHS, ChunkFilter
+from dashboard.queries_requests import BadSearch, parse_request_id
 
 TABLE_LIMIT = 500
 
@@ -19,10 +20,12 @@ def read_filter(min_tick: int | None) -> ChunkFilter | None:
     caps = cols[2].multiselect("cap rule", CAP_RULES, key="chunks_cap")
     blockers = cols[3].multiselect("can-mix blocker", BLOCKERS, key="chunks_blocker")
     request = request.strip()
-    if request and not request.isdigit():
-        st.error(f"request id {request!r} is not a number")
+    try:
+        request_id = parse_request_id(request) if request else None
+    except BadSearch as exc:
+        st.error(str(exc))
         return None
-    return ChunkFilter(int(request) if request else None, tuple(paths), tuple(caps), tuple(blockers), min_tick)
+    return ChunkFilter(request_id, tuple(paths), tuple(caps), tuple(blockers), min_tick)
 
 
 def render(ctx: RunContext) -> None:

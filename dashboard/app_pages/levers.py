@@ -5,19 +5,23 @@ tab or an editor) they are rebuilt from the file: the file is the truth.
 """
 from __future__ import annotations
 
-import pandas as pd
 import streamlit as st
 
 from dashboard import context, data, lever_state
 from dashboard.context import RunContext
-from telemetry.levers import LEVERS, Lever, LeversError
+from telemetry.levers import LEVERS, LEVERS_BY_NAME, Lever, LeversError
 
 st.title("Levers")
+
+
+REFRESH_S = 1.0     # pending -> applied (or rejected) shows up without a reload
 
 
 def on_change(ctx: RunContext, name: str, key: str, telemetry_version: int | None) -> None:
     value = st.session_state[key]
     try:
+        if isinstance(value, str):   # int levers are typed as text: 12.7 or 99999999 get a message
+            value = LEVERS_BY_NAME[name].parse_text(value)
         version = lever_state.write_change(ctx.paths.levers, name, value, telemetry_version)
     except (LeversError, OSError) as exc:
         st.session_state["levers_error"] = f"{name}: not written: {exc}"
@@ -35,8 +39,11 @@ def widget(lever: Lever, ctx: RunContext, pending: lever_state.PendingFile, row:
     if lever.type is bool:
         st.toggle(lever.name, value=value, **args)
     elif lever.type is int:
-        lo, hi = lever.bounds or (None, None)
-        st.number_input(lever.name, min_value=lo, max_value=hi, value=value, step=1, **args)
+        # A text box, not a number_input: that one clamps or truncates what the user typed in the
+        # browser (99999999 -> max, 12.7 -> 12) without a word. Here every value is checked and
+        # a bad one gets its message.
+        args["help"] = f"{lever.help} Range: {lever.describe_range()}."
+        st.text_input(lever.name, value=str(value), placeholder=lever.describe_range(), **args)
     else:
         choices = list(lever.choices or (value,))
         st.selectbox(lever.name, choices, index=choices.index(value), **args)
@@ -65,8 +72,12 @@ def render(ctx: RunContext) -> None:
         if row.rejection:
             text += f"  \n:red[rejected: {row.rejection}]"
         right.markdown(text)
-    table = pd.DataFrame([r.__dict__ for r in rows.values()]).astype(str)
-    st.dataframe(table, hide_index=True, key="levers_table")
+    st.dataframe(lever_state.rows_table(list(rows.values())), hide_index=True, key="levers_table")
 
 
-context.run_page(render)
+@st.fragment(run_every=REFRESH_S)
+def levers_area() -> None:
+    context.run_page(render)
+
+
+levers_area()

@@ -3,50 +3,67 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import charts, context, data, engine_panel, live_timeline, prefix_panel, spec_panel
+from dashboard import charts, context, data, engine_panel, heartbeat_view, live_timeline, prefix_panel, spec_panel
 from dashboard.context import RunContext
 from dashboard.db import DataUnavailable
+from dashboard.queries_live import MAX_STREAM_EVENTS
+from telemetry.engine_status import read_engine_status
+from telemetry.procs import is_engine_pid
 
 REFRESH_S = 1.0
+BLOCKED_REFRESH_S = 0.5
 WINDOWS_S = (2, 5, 10, 30, 60, 300)
 
 st.title("Live")
-ctx0 = context.current(quiet=True)
-engine_panel.render(context.paths(), ctx0)
+engine_panel.render_live(context.paths())
 window_s = st.select_slider("timeline window (s)", WINDOWS_S, value=10, key="live_window_s")
 
 
-def counters(ctx: RunContext, window_s: float) -> int | None:
-    c = data.live_counters(ctx.db, ctx.run_id, ctx.version, float(window_s))
-    if c is None:
-        st.info(f"Run {ctx.run_id} has no ticks yet.")
-        return None
+def counters(c: dict, now: heartbeat_view.LiveState | None, is_running: bool) -> None:
+    """The tick row's counters, or the heartbeat's when the ticks stopped (blocked, idle)."""
+    shown = {**c, **now.counters} if now is not None else c
     cols = st.columns([1, 1.3, 1, 1.5, 1.2, 1.2, 1.2, 1.3])    # room for "123 / 512" and 6-digit ticks
-    cols[0].metric("waiting", c["num_waiting"])
-    cols[1].metric("active (decoding)", c["num_active"])
-    cols[2].metric("prefilling", c["num_prefilling"])
-    cols[3].metric("KV blocks", f"{c['kv_blocks_used']} / {c['kv_blocks_total']}")
-    cols[4].metric("SSM slots", f"{c['ssm_slots_used']} / {c['ssm_slots_total']}")
-    cols[5].metric("decode tok/s", f"{c['decode_tok_s']:.1f}")
-    cols[6].metric("prefill tok/s", f"{c['prefill_tok_s']:.1f}")
-    cols[7].metric("tick", c["tick"])
-    return int(c["t_ns"] + c["duration_ns"])
+    cols[0].metric("waiting", shown["num_waiting"])
+    cols[1].metric("active (decoding)", shown["num_active"])
+    cols[2].metric("prefilling", shown["num_prefilling"])
+    cols[3].metric("KV blocks", f"{shown['kv_blocks_used']} / {shown['kv_blocks_total']}")
+    cols[4].metric("SSM slots", f"{shown['ssm_slots_used']} / {shown['ssm_slots_total']}")
+    # A blocked or ended engine computes nothing: its last window's rate would be a stale claim.
+    moving = is_running and now is None
+    cols[5].metric("decode tok/s", f"{shown['decode_tok_s']:.1f}" if moving else "0.0" if is_running else "—")
+    cols[6].metric("prefill tok/s", f"{shown['prefill_tok_s']:.1f}" if moving else "0.0" if is_running else "—")
+    cols[7].metric("tick", shown["tick"])
+    if not is_running:
+        st.caption("The run has ended: the counters are from its last tick; it computes nothing now.")
+
+
+def engine_now(ctx: RunContext, last_tick_age_s: float | None) -> heartbeat_view.LiveState | None:
+    status = read_engine_status(ctx.paths.run_dir)
+    return heartbeat_view.live_state(status, ctx.run_id, is_engine_pid((status or {}).get("pid")), last_tick_age_s)
 
 
 def render(ctx: RunContext) -> None:
-    end_ns = counters(ctx, window_s)
-    if end_ns is None:
-        return
+    c = data.live_counters(ctx.db, ctx.run_id, ctx.version, float(window_s))
+    end_ns = int(c["t_ns"] + c["duration_ns"]) if c is not None else None
     age = context.seconds_since_last_row(ctx, end_ns)
-    if ctx.is_running and age is not None and age > context.STALE_AFTER_S:
+    now = engine_now(ctx, age) if ctx.is_running else None
+    if now is not None and not now.is_blocked:   # a stall is named by blocked_line, refreshed faster
+        st.info(heartbeat_view.describe(now), icon=":material/pause_circle:")
+    if c is None:
+        st.info(f"Run {ctx.run_id} has no ticks yet.")
+        return
+    counters(c, now, ctx.is_running)
+    if now is None and ctx.is_running and age is not None and age > context.STALE_AFTER_S:
         st.warning(f"Run {ctx.run_id} is marked running but no tick has arrived for {age:.0f} s.")
     win = data.timeline_window(ctx.db, ctx.run_id, ctx.version, float(window_s))
+    cap = MAX_STREAM_EVENTS if win.stream_events_capped else None
     fig = charts.timeline_figure(win.forwards, win.stream_events, win.links, win.preemptions,
-                                 win.lever_changes, (win.start_ms, win.end_ms))
+                                 win.lever_changes, (win.start_ms, win.end_ms), stream_events_cap=cap)
     live_timeline.render(fig, key="live_timeline", revision=end_ns)   # stays mounted: no blank frame, zoom kept
     mode = "bucketed into WebGL segments" if win.is_bucketed else "one bar per forward"
     st.caption(f"last {window_s} s of run {ctx.run_id} ({ctx.run.get('status')}): {win.num_forwards} forwards, "
-               f"{mode}; {len(win.stream_events)} stream events, {len(win.preemptions)} preemptions, "
+               f"{mode}; {len(win.stream_events)} stream events{' (capped: newest only)' if cap else ''}, "
+               f"{len(win.preemptions)} preemptions, "
                f"{len(win.lever_changes)} lever changes")
     latency = data.latency_percentiles(ctx.db, ctx.run_id, ctx.version)
     left, right = st.columns([2, 3])
@@ -57,9 +74,23 @@ def render(ctx: RunContext) -> None:
     spec_panel.render(ctx, window_s)
 
 
+@st.fragment(run_every=BLOCKED_REFRESH_S)
+def blocked_line() -> None:
+    """The stall, named from the heartbeat: a light fragment of its own, so the heavy live area's
+    render time does not delay it."""
+    status = read_engine_status(context.paths().run_dir)
+    if not (status or {}).get("is_blocked"):
+        return                         # the usual case costs one small file read
+    ctx = context.current(quiet=True)
+    now = engine_now(ctx, None) if ctx is not None and ctx.is_running else None
+    if now is not None and now.is_blocked:
+        st.error(heartbeat_view.describe(now), icon=":material/pause_circle:")
+
+
 @st.fragment(run_every=REFRESH_S)
 def live_area() -> None:
     context.run_page(render)
 
 
+blocked_line()
 live_area()

@@ -44,6 +44,8 @@ def render(ctx: RunContext) -> None:
             prefix_hit_ratio=(found["prefix_hit_tokens"] / found["prompt_len"].where(found["prompt_len"] > 0)),
         )[TABLE_COLUMNS]
         st.dataframe(table, hide_index=True, key="requests_table", column_config={
+            "ttft_ms": st.column_config.NumberColumn("TTFT (ms)", format="%.1f"),
+            "e2e_ms": st.column_config.NumberColumn("e2e (ms)", format="%.1f"),
             "prefix_hit_ratio": st.column_config.NumberColumn("prefix hit", format="percent"),
             "prefix_hit_tokens": st.column_config.NumberColumn("hit tokens"),
             "prefix_miss_reason": st.column_config.TextColumn("prefix miss reason", width="large")})

@@ -14,29 +14,50 @@ def _cell(value):
     return "–" if value is None or pd.isna(value) else round(value, 3)
 
 
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else "s")
+
+
+def _local_time(epoch_s: pd.Series) -> pd.Series:
+    """Epoch seconds as this machine's wall-clock time, to the second."""
+    return pd.to_datetime(epoch_s, unit="s", utc=True).dt.tz_convert(None).dt.floor("s")
+
+
 def _version(ctx: RunContext, run_id: int):
     return data.run_version(ctx.db, run_id)
+
+
+def lever_settings_table(levers: dict[str, dict], later: dict[str, dict[str, str]]) -> pd.DataFrame:
+    """One column per run (values at the first tick), "differs" between two runs, then the later changes."""
+    table = pd.DataFrame(levers).map(lambda v: "" if v is None else str(v))
+    if len(levers) == 2:
+        first, second = table.columns
+        table["differs"] = table[first] != table[second]
+    for label, changes in later.items():
+        if changes:
+            table[f"changed later in {label.split(' (')[0]}"] = [changes.get(name, "") for name in table.index]
+    return table
 
 
 def render(ctx: RunContext) -> None:
     runs = data.list_runs(ctx.db)
     crashed = int((runs["status"] == "crashed").sum())
-    st.markdown(f"**{len(runs)} runs** in `{ctx.db}`" + (f", :red[{crashed} crashed]" if crashed else ""))
-    listing = runs.drop(columns=["levers", "config", "workload"]).assign(
-        started=pd.to_datetime(runs["started_at"], unit="s"))
+    st.markdown(f"**{plural(len(runs), 'run')}** in `{ctx.db}`" + (f", :red[{crashed} crashed]" if crashed else ""))
+    listing = runs.drop(columns=["levers", "config", "workload", "started_at", "finished_at"]).assign(
+        started=_local_time(runs["started_at"]), finished=_local_time(runs["finished_at"]))
     st.dataframe(listing, hide_index=True, key="runs_table")
     ids = [int(r) for r in runs["run_id"]]
     cols = st.columns(2)
     a = cols[0].selectbox("run A", ids, index=0, key="runs_a")
     b = cols[1].selectbox("run B", ids, index=min(1, len(ids) - 1), key="runs_b")
-    metrics, levers, scopes = {}, {}, {}
+    metrics, levers, later, scopes = {}, {}, {}, {}
     for run_id in dict.fromkeys([a, b]):
         version = _version(ctx, run_id)
         row = data.run_row(ctx.db, run_id, version) or {}
         label = f"run {run_id} ({row.get('status')})"
         metrics[label] = dict(data.run_metrics(ctx.db, run_id, version))
         scopes[label] = metrics[label].pop("latency scope")
-        levers[label] = row.get("levers") or {}
+        levers[label], later[label] = data.levers_in_effect(ctx.db, run_id, version, row.get("levers") or {})
     table = pd.DataFrame(metrics)
     st.subheader("Side by side")
     st.dataframe(table.map(_cell), key="runs_compare")
@@ -45,12 +66,10 @@ def render(ctx: RunContext) -> None:
     long = latency.reset_index(names="metric").melt(id_vars="metric", var_name="run", value_name="value_ms")
     long["metric"] = long["metric"].str.removesuffix(" ms")
     st.plotly_chart(charts.runs_compare_figure(long.dropna()), key="runs_latency", width="stretch")
-    st.subheader("Lever settings at start")
-    lever_table = pd.DataFrame(levers).astype(str)
-    if len(levers) == 2:
-        first, second = lever_table.columns
-        lever_table["differs"] = lever_table[first] != lever_table[second]
-    st.dataframe(lever_table, key="runs_levers")
+    st.subheader("Lever settings at the first tick")
+    st.caption("Defaults and environment, with the levers file the engine applied at tick 0; "
+               "later changes are listed beside them.")
+    st.dataframe(lever_settings_table(levers, later), key="runs_levers")
     bundle_panel.render(ctx, a)
 
 

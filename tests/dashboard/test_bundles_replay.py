@@ -34,6 +34,13 @@ def test_build_bundle_time_window_and_refusals(real_run_dir, tmp_path):
     result = bundles.build_bundle(paths, 1, since_s=0.0, until_s=2.0)
     assert result.path.parent == paths.run_dir / "bundles" and result.path.name.endswith("-w0-2s.zip")
     assert result.manifest["time_range"]["is_windowed"]
+    # a windowed bundle is not offered to the replay (it would fail only after the click)
+    whole = bundles.build_bundle(paths, 1)
+    offered, left_out = bundles.replayable_bundles(bundles.list_bundles(paths))
+    assert whole.path in [b.path for b in offered] and result.path not in [b.path for b in offered]
+    assert left_out >= 1 and bundles.is_windowed(result.path) is True
+    with pytest.raises(BundleError, match="holds no tick of run 1"):
+        bundles.build_bundle(paths, 1, since_s=100_000.0)     # past the run's end: no empty bundle
     with pytest.raises(BundleError, match="until"):
         bundles.build_bundle(paths, 1, since_s=5.0, until_s=5.0)
     with pytest.raises(BundleError, match="no telemetry database"):

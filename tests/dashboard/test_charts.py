@@ -91,6 +91,31 @@ def test_timeline_streams_links_and_markers():
     assert spec["layout"]["yaxis"]["ticktext"][LANE_Y.__len__() - 1 - int(LANE_Y["scheduler"])] == "scheduler"
 
 
+def test_timeline_labels_lever_lines_fixes_marker_colours_and_states_a_cap():
+    forwards = _forwards(3).assign(cap_rule=["max_prefill_tokens", "ssm_tail", None],
+                                   mix_blocker=[None, "bisect_no_mix", None])
+    streams = pd.DataFrame({"t_ms": [1.0, 2.0], "kind": ["record", "wait"], "stream": ["prefill", "default"],
+                            "event_name": ["a", "a"], "seq": [1, 1], "tick": [0, 0], "gpu_elapsed_ms": [None, None],
+                            "target_stream": [None, "default"]})
+    levers = pd.DataFrame({"t_ms": [2.7, 3.1], "tick": [2, 3], "name": ["bisect_no_mix", "max_prefill_tokens"],
+                           "old": ["false", "256"], "new": ["true", "-5"], "status": ["applied", "rejected"]})
+    spec = _spec(timeline_figure(forwards, streams, NO_LINKS, NO_PREEMPT, levers, stream_events_cap=1500))
+    lines = [s for s in spec["layout"].get("shapes", []) if s["type"] == "line"]
+    assert [line["x0"] for line in lines] == [2.7]                  # applied changes only
+    texts = [a["text"] for a in spec["layout"]["annotations"]]
+    assert "bisect_no_mix=true" in texts
+    assert any("only the newest 1,500" in t for t in texts)
+    by_name = {t["name"]: t for t in spec["data"]}
+    assert by_name["stream record"]["marker"]["color"] != by_name["stream wait"]["marker"]["color"]
+    colours = {by_name["stream record"]["marker"]["color"], by_name["stream wait"]["marker"]["color"]}
+    assert not colours & {"#ff7f0e", "#7b3fe4", "#d62728"}          # lever, mixed, preemption
+    mixed = by_name["mixed forward"]
+    assert mixed["text"][0].startswith("cap rule max_prefill_tokens · mix blocker none")
+    assert "%{text}" in mixed["hovertemplate"]
+    prefill = by_name["prefill forward"]
+    assert prefill["text"][0].startswith("cap rule ssm_tail · mix blocker bisect_no_mix")
+
+
 def test_latency_figure_groups_percentiles():
     lat = pd.DataFrame({"metric": ["TTFT", "ITL", "e2e"], "p50_ms": [10.0, 2.0, 50.0],
                         "p90_ms": [20.0, 3.0, 80.0], "p99_ms": [40.0, 9.0, 120.0], "count": [5, 90, 5]})

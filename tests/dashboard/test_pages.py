@@ -97,7 +97,7 @@ def test_levers_widgets_write_file_and_show_state(app, run_fixture, tmp_path):
 
     at = app("levers")
     from telemetry.levers import LEVERS
-    labels = {w.label for w in list(at.toggle) + list(at.number_input) + list(at.selectbox)}
+    labels = {w.label for w in list(at.toggle) + list(at.text_input) + list(at.selectbox)}
     assert {lever.name for lever in LEVERS} <= labels
     assert all(w.help for w in at.toggle)
     assert "rejected: max_prefill_tokens must be >= 1" in texts(at)
@@ -112,7 +112,7 @@ def test_levers_widgets_write_file_and_show_state(app, run_fixture, tmp_path):
         # a rebuilt widget reads the file, not the session
         at2 = app("levers")
         assert next(t for t in at2.toggle if t.label == "bisect_no_mix").value is True
-        next(n for n in at2.number_input if n.label == "slice_budget").set_value(32).run()
+        next(n for n in at2.text_input if n.label == "slice_budget").input("32").run()
         written = json.loads(levers_file.read_text())
         assert written == {"version": 4, "levers": {"bisect_no_mix": True, "slice_budget": 32}}
         levers_file.write_text("{not json")

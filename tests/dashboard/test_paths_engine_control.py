@@ -82,3 +82,30 @@ def test_recycled_pid_is_not_our_engine(tmp_path):
     paths.pid_file.write_text(json.dumps({"pid": os.getpid(), "argv": ["python", "-m", "engine", "serve"]}))
     status = ec.engine_status(paths)
     assert not status.is_running and "another program" in status.note
+
+
+def test_an_engine_started_from_the_dashboard_logs_each_line_once(tmp_path):
+    paths = RunPaths(tmp_path / "run")
+    ec.start_engine(paths, "tiny", "synthetic", 4.0)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and "serving tiny" not in _log(paths):
+            time.sleep(0.2)
+        assert "stopped" in ec.stop_engine(paths, timeout_s=30)
+    finally:
+        if ec.engine_status(paths).is_running:
+            ec.stop_engine(paths, timeout_s=5)
+    lines = [line.split(" ", 2)[-1] for line in _log(paths).splitlines() if "chunkscope." in line]
+    assert any(line.startswith("INFO chunkscope.serve: serving tiny") for line in lines), lines
+    assert any("run finished after" in line for line in lines), lines
+    assert len(lines) == len(set(lines)), f"engine.log lines written twice: {lines}"
+
+
+def _log(paths: RunPaths) -> str:
+    return paths.engine_log.read_text(errors="replace") if paths.engine_log.exists() else ""
+
+
+@pytest.mark.parametrize("typed", ["x" * 5000, "a/" * 3000])
+def test_an_impossible_model_path_is_a_message(tmp_path, typed):
+    with pytest.raises(ec.EngineControlError, match="model: "):
+        ec.engine_argv(RunPaths(tmp_path), typed, "synthetic", 1)

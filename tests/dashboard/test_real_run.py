@@ -121,7 +121,7 @@ def test_real_levers_applied_state_and_write(real_app, real_run_dir):
     tick = rr.one("SELECT tick FROM lever_changes WHERE name = 'bisect_no_mix' AND status = 'applied'")
     try:
         at = real_app("levers")
-        assert {lever.name for lever in LEVERS} <= {w.label for w in list(at.toggle) + list(at.number_input)
+        assert {lever.name for lever in LEVERS} <= {w.label for w in list(at.toggle) + list(at.text_input)
                                                     + list(at.selectbox)}
         assert f"**in sync** · pending `True` · applied `True` since tick {tick} (file)" in texts(at)
         assert "applied `True` since tick 0 (env)" in texts(at)           # ssm_tail_ckpt from the environment
@@ -136,7 +136,7 @@ def test_real_levers_applied_state_and_write(real_app, real_run_dir):
 def test_real_runs_compare_metrics(real_app, real_run_dir):
     rr = real_run_dir
     at = real_app("runs")
-    assert "**1 runs**" in texts(at)
+    assert "**1 run**" in texts(at)
     listing = frame_by_key(at, "runs_table")
     assert list(listing["status"]) == ["finished"]
     compare = at.dataframe[1].value

@@ -77,4 +77,5 @@ def test_garbage_status_file_is_ignored(app, tmp_path):
 def test_run_picker_labels_crashed_runs(app):
     at = app("runs", run_id=None)
     options = at.sidebar.selectbox[0].options
-    assert "latest (run 2 · crashed)" in options and "run 2 · crashed · tiny" in options
+    assert "latest run" in options and "run 2 · tiny" in options
+    assert "run 2: crashed" in [c.value for c in at.sidebar.caption]

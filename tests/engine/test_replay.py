@@ -14,7 +14,9 @@ import pytest
 from engine.__main__ import main
 from engine.model.loader import load_model
 from engine.model.runner import ModelRunner
+from engine import replay_flips
 from engine.replay import load_input, replay_run
+from engine.replay_record import ReplayInputError
 from engine.replay_compare import compare
 from engine.scheduler.loop import Scheduler
 from telemetry.bundle_export import export_bundle
@@ -64,7 +66,8 @@ def replayed(recorded):
 
 def direct_run(recorded, flips: dict) -> dict[int, list[int]]:
     """The flipped config straight through a Scheduler, written independently of engine.replay:
-    arrivals and lever changes at their recorded ticks, the flip winning, every request to its end."""
+    arrivals and lever changes at their recorded ticks, the flip winning, every request to its end,
+    except those the recording cut short (cancelled at shutdown): they end where the recording did."""
     model, _, _ = load_model("tiny")
     runner = ModelRunner(model, num_kv_blocks=recorded.config["kv_blocks"],
                          num_ssm_slots=recorded.config["ssm_slots"], block_size=recorded.config["block_size"])
@@ -75,7 +78,12 @@ def direct_run(recorded, flips: dict) -> dict[int, list[int]]:
     changes = {}
     for change in recorded.lever_changes:
         changes.setdefault(change.tick, {})[change.name] = change.new
+    recorded_tokens = recorded.output_tokens()
+    stop_after = {r.request_id: len(recorded_tokens[r.request_id]) for r in recorded.requests
+                  if r.status == "cancelled"}
     while True:
+        for request in [a for a in sched.active if a.num_generated >= stop_after.get(a.request_id, 1 << 30)]:
+            sched.cancel(request.request_id, "the recording stopped here")
         while arrivals and arrivals[0].arrival_tick <= sched.tick:
             r = arrivals.popleft()
             submitted.append(sched.submit(r.request_id, r.prompt_tokens, r.sampling))
@@ -220,3 +228,43 @@ def test_a_different_checkpoint_is_refused_unless_asked(served, tmp_path, capsys
     assert status == 2 and "hash" in err and len(err.strip().splitlines()) == 1
     status, out, err = run_cli(capsys, str(db), "--json", "--ignore-checkpoint-hash")
     assert status == 0 and "warning" in err and json.loads(out)["tokens_identical"] is True
+
+
+def test_a_no_op_flip_says_so_and_replays_as_recorded(served, recorded, capsys):
+    """bisect_no_mix was false from tick 0 and never changed: flipping it to false is a plain replay
+    (it used to run past the recorded end, where a request cancelled at shutdown finished: DIFFERENT)."""
+    assert recorded.start_levers.get("bisect_no_mix", False) is False
+    status, out, err = run_cli(capsys, str(served.bundle), "--json", "--flip", "bisect_no_mix=false")
+    assert status == 0, err
+    assert "--flip bisect_no_mix=False changes nothing" in err
+    report = json.loads(out)
+    assert report["flips"] == {}
+    assert report["decisions_identical"] and report["tokens_identical"] and report["statuses_identical"]
+    assert any("changes nothing" in note for note in report["notes"])
+
+
+def test_a_flipped_replay_stops_each_request_where_the_recording_did(served, recorded, capsys):
+    cut = [r for r in recorded.requests if r.status == "cancelled"]
+    assert cut, "the SIGTERM'd recording should hold requests cancelled at shutdown"
+    status, out, err = run_cli(capsys, str(served.bundle), "--json", "--flip", "bisect_no_mix=true")
+    assert status == 0, err
+    report = json.loads(out)
+    rows = {r["request_id"]: r for r in report["requests"]}
+    for request in cut:
+        row = rows[request.request_id]
+        assert row["status_replayed"] == "cancelled" and row["replayed_len"] == row["recorded_len"], row
+    assert report["statuses_identical"] and report["tokens_identical"]
+
+
+def test_a_flip_the_model_cannot_honour_is_refused(served, hf_checkpoint, capsys):
+    # tiny has an MTP module; a checkpoint without mtp.* tensors (transformers writes none) has not.
+    no_mtp, _, _ = load_model(hf_checkpoint("base")[1])
+    with pytest.raises(ReplayInputError) as refused:
+        replay_flips.check_model_can_honour({"speculation": "mtp"}, no_mtp)
+    assert str(refused.value).startswith("--flip speculation=mtp: speculation=mtp needs a multi-token-prediction "
+                                         "head; the loaded model has none (config.json declares no MTP module")
+    tiny, _, _ = load_model("tiny")
+    replay_flips.check_model_can_honour({"speculation": "mtp"}, tiny)  # no error: tiny drafts with its MTP
+    capsys.readouterr()  # building the checkpoint above printed progress
+    status, out, err = run_cli(capsys, str(served.bundle), "--flip", "speculation=eagle")
+    assert status == 2 and out == "" and len(err.strip().splitlines()) == 1 and "speculation" in err

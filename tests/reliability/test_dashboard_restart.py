@@ -102,7 +102,7 @@ def test_dashboard_killed_and_restarted_engine_does_not_notice(start_engine, tmp
         # A new session (nothing carried over from the old one) sees the same lever state.
         fresh = levers_page(engine.run_dir, monkeypatch)
         assert next(t for t in fresh.toggle if t.label == "bisect_no_mix").value is True
-        assert next(n for n in fresh.number_input if n.label == "slice_budget").value == 64
+        assert next(n for n in fresh.text_input if n.label == "slice_budget").value == "64"
 
         after = engine.wait_tick(engine.status()["tick"] + 3, timeout_s=60)
         assert after["telemetry"] == "ok" and after["num_dropped"] == 0

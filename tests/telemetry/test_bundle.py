@@ -140,7 +140,7 @@ def test_time_window_shrinks_the_bundle(run_dir):
 def test_export_refuses_unsafe_or_bad_requests(run_dir, tmp_path_factory):
     db = run_dir / "telemetry.db"
     export_bundle(db, run_dir / "b.zip")
-    with pytest.raises(BundleError, match="already exists; pass overwrite=True"):
+    with pytest.raises(BundleError, match=r"already exists; choose another name, or replace it \(--force\)"):
         export_bundle(db, run_dir / "b.zip")
     assert export_bundle(db, run_dir / "b.zip", overwrite=True).num_bytes > 0
     elsewhere = tmp_path_factory.mktemp("elsewhere")

@@ -34,9 +34,21 @@ def test_runs_table_and_json(store, capsys):
 
 
 def test_runs_on_missing_db(tmp_path, capsys):
-    assert main(["runs", "--db", str(tmp_path / "none.db")]) == 0
+    """A path that holds no store is an error (exit 1, one line), never an empty listing with exit 0."""
+    for argv in (["runs"], ["summary", "--json"], ["tail", "--once"]):
+        assert main([*argv, "--db", str(tmp_path / "none.db")]) == 1
+        assert capsys.readouterr().err == f"error: no telemetry store at {tmp_path / 'none.db'}\n"
+    assert main(["runs", "--db", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "is a directory, not a telemetry store" in err and "disk I/O" not in err
+    (tmp_path / "empty.db").write_bytes(b"")
+    assert main(["runs", "--db", str(tmp_path / "empty.db")]) == 0
     assert "no telemetry yet" in capsys.readouterr().out
-    assert main(["summary", "--db", str(tmp_path / "none.db"), "--json"]) == 1
+
+
+def test_tail_once_on_an_unknown_run_is_an_error(store, capsys):
+    assert main(["tail", "--db", store, "--run", "77", "--once"]) == 1
+    assert capsys.readouterr().err == f"error: no run 77 in {store}\n"
 
 
 def test_summary_json_contract(store, capsys):

@@ -1,0 +1,51 @@
+"""Argument types for the command lines: a bad number is an argparse error (one line, exit 2),
+never a traceback from deep inside (an OverflowError from SQLite, a MemoryError from a huge cache).
+
+Plain Python so both ``python -m telemetry`` and ``python -m engine`` use them.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+MAX_SQLITE_INT = 2**63 - 1
+
+
+def bounded_int(low: int, high: int = MAX_SQLITE_INT) -> Callable[[str], int]:
+    """An int in [low, high], written in decimal digits."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text} is outside [{low}, {high}]")
+        return value
+    parse.__name__ = "integer"
+    return parse
+
+
+def bounded_float(low: float, high: float = math.inf, *, low_open: bool = False) -> Callable[[str], float]:
+    """A finite float in [low, high] (or (low, high] when ``low_open``)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        too_low = value <= low if low_open else value < low
+        if not math.isfinite(value) or too_low or value > high:
+            bracket = "(" if low_open else "["
+            raise argparse.ArgumentTypeError(f"{text} is outside {bracket}{low:g}, {high:g}]")
+        return value
+    parse.__name__ = "number"
+    return parse
+
+
+run_id = bounded_int(1)                      # SQLite rowids start at 1
+seed = bounded_int(0, 2**63 - 1)
+non_negative_int = bounded_int(0)
+positive_int = bounded_int(1)
+positive_float = bounded_float(0.0, low_open=True)
+non_negative_float = bounded_float(0.0)
+finite_float = bounded_float(-math.inf)     # range checks left to the callee, which names its field
