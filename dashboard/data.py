@@ -111,11 +111,13 @@ def prefix_view(db: str, run_id: int, version: Version):
 @st.cache_data(max_entries=_ENTRIES, show_spinner=False)
 def spec_view(db: str, run_id: int, version: Version, window_s: float):
     """(totals by kind, acceptance buckets, steps in the window, drops in the window, (start ms, end ms)),
-    or None before the first tick."""
+    "none" for a run without speculation, or None before the first tick."""
     path = Path(db)
     last = queries_live.latest_tick(path, run_id)
     if last is None:
         return None
+    if not queries_spec.has_speculation(path, run_id):  # the usual run: two index probes, nothing more
+        return "none"
     end_ns = int(last["t_ns"] + last["duration_ns"])
     start_ns = max(0, end_ns - int(window_s * 1e9))
     first_tick = queries_spec.first_tick_since(path, run_id, start_ns)

@@ -26,6 +26,12 @@ _STEP_COLUMNS = """json_extract(detail, '$.kind') AS spec_kind,
 _STEPS_WITH_DRAFTS = "run_id = ? AND kind = ? AND id > ? AND json_extract(detail, '$.num_drafted') > 0"
 
 
+def has_speculation(db: Path, run_id: int) -> bool:
+    """Any speculative step or dropped draft in the run (one (run_id, kind) index probe per kind)."""
+    return any(query_one(db, "SELECT 1 AS v FROM events WHERE run_id = ? AND kind = ? LIMIT 1", [run_id, kind])
+               for kind in (SPEC_STEP, DRAFTS_DROPPED))
+
+
 def _recent_min_id(db: Path, run_id: int, kind: str, newest: int) -> int:
     row = query_one(db, "SELECT MAX(id) AS hi FROM events WHERE run_id = ? AND kind = ?", [run_id, kind]) or {}
     return -1 if row.get("hi") is None else int(row["hi"]) - newest

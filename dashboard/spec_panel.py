@@ -16,11 +16,11 @@ def render(ctx: RunContext, window_s: float) -> None:
     view = data.spec_view(ctx.db, ctx.run_id, ctx.version, float(window_s))
     if view is None:
         return
-    totals, buckets, steps, drops, window_ms = view
     st.subheader("Speculation")
-    if totals.empty and drops.empty:
+    if view == "none":
         st.caption("No speculative step in this run (lever speculation off, or no lone decoding sequence).")
         return
+    totals, buckets, steps, drops, window_ms = view
     cols = st.columns(max(len(totals), 1) * 2)
     for i, row in enumerate(totals.itertuples()):
         cols[2 * i].metric(f"{row.spec_kind} acceptance", f"{row.acceptance:.0%}",
