@@ -7,6 +7,7 @@
 #   CHUNKSCOPE_TORCH  torch requirement (default torch==2.13.0, the local CPU wheel;
 #                     a GPU user sets e.g. CHUNKSCOPE_TORCH='torch==2.13.0' with a CUDA index)
 #   PORT              dashboard port (default 8501, bound to 127.0.0.1)
+#   API_PORT          the engine's OpenAI-compatible API port (default 8000, bound to 127.0.0.1)
 #   RUN_DIR           run directory with telemetry.db and levers.json (default runs/default)
 #   PYTHON            interpreter used to create .venv (default python3.11, else python3)
 set -euo pipefail
@@ -38,8 +39,10 @@ setup() {
 
 start() {
   local port=${PORT:-8501}
+  local api_port=${API_PORT:-8000}
   local run_dir=${RUN_DIR:-runs/default}
-  local engine_cmd=("$VENV/bin/python" -m engine serve --model tiny --run-dir "$run_dir" --workload synthetic --rate 4)
+  local engine_cmd=("$VENV/bin/python" -m engine serve --model tiny --run-dir "$run_dir" --workload synthetic --rate 4
+                    --api-port "$api_port" --api-host 127.0.0.1)
   local dash_cmd=("$VENV/bin/python" -m streamlit run dashboard/app.py --server.address 127.0.0.1 --server.port "$port" -- --run-dir "$run_dir")
   mkdir -p "$run_dir"
   "${engine_cmd[@]}" &
@@ -49,6 +52,7 @@ start() {
   # Ctrl-C / SIGTERM stops both; the engine drains its telemetry on SIGTERM.
   trap 'kill -TERM $engine_pid $dash_pid 2>/dev/null; wait $engine_pid $dash_pid 2>/dev/null; exit 0' INT TERM
   echo "[run] engine pid $engine_pid, dashboard http://127.0.0.1:$port (run dir $run_dir); Ctrl-C stops both"
+  echo "[run] OpenAI-compatible API http://127.0.0.1:$api_port/v1 (metrics: http://127.0.0.1:$api_port/metrics)"
   wait -n $engine_pid $dash_pid || true
   kill -TERM $engine_pid $dash_pid 2>/dev/null || true
   wait $engine_pid $dash_pid 2>/dev/null || true

@@ -1,31 +1,41 @@
 """Forward speed: Chunkscope's runner vs transformers' Qwen3_5ForCausalLM on the same weights.
 
 Prints, for the ``tiny`` default and a SmolLM-sized random Qwen3.5 (hidden 576, 30 layers,
-3:1 linear/full), prefill tok/s on a 512-token prompt and decode tok/s at batch 1, 8 and 32,
-the ratios to transformers, the GEMM FLOP/s measured here, and the share of that GEMM bound
-each side reaches (decode: 2 * parameters FLOPs per token; prefill: the body per token plus
-one LM-head row, as only the last row's logits are computed). ``ceiling`` is the ratio an
-engine doing nothing but its GEMMs at the measured GEMM rate would reach against the same
-transformers time: no implementation on this machine can beat it by much.
+3:1 linear/full), a 512-token prefill and decode steps at batch 1, 8 and 32: our time, the
+transformers time and their ratio, and each forward's **roofline** (``engine/model/roofline.py``):
+max(its FLOPs at the square-GEMM rate, its weight + KV + linear-state bytes at the streaming
+read bandwidth), both measured in the same run with the same threads (the GEMM in the run's dtype), and the
+share of that roofline each side reaches (roofline time / measured time; 100% is the machine's
+limit). Decode rows also time the step's GEMMs alone (every projection and the LM head, as
+the engine runs them, on random inputs): the share those reach bounds any forward built on
+the same GEMM kernels. ``--json`` prints the same as one object on stdout.
 
 The machine is shared, so every measurement is interleaved: each round times ours, then
-transformers, then a reference GEMM, back to back, and the table reports per-round medians.
+transformers, then the machine rates, back to back, and the table reports per-round medians.
 Load then hits both sides alike and the ratios stay meaningful even when wall times do not.
 
     python bench/forward.py [--models tiny,smol] [--rounds 3] [--steps 4] [--threads 1]
-                            [--dtype float32|bfloat16] [--no-hf] [--clock wall|cpu] [--no-prepack]
+                            [--dtype auto|float32|bfloat16] [--no-hf] [--clock wall|cpu] [--no-prepack]
+                            [--no-decode-prepack] [--json]
 """
 from __future__ import annotations
 
 import argparse
+import builtins
+import functools
+import json
 import statistics
+import sys
 import time
 
 import torch
 
 from engine.model.config import ModelConfig
+from engine.model.cpu_features import cpu_flags, cpu_model, isa_summary, resolve_dtype
+from engine.model.layers import FusedLinear
 from engine.model.loader import load_model
 from engine.model.qwen3_5 import Qwen35ForCausalLM
+from engine.model.roofline import ForwardCost, MachineRates, forward_cost, measure_rates
 from engine.model.runner import ModelRunner
 from engine.model.tiny import random_init
 from engine.sequence import SequenceState
@@ -35,13 +45,6 @@ SMOL = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, nu
                    linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64,
                    linear_value_head_dim=64, tie_word_embeddings=True)
 PROMPT_LEN, DECODE_CONTEXT, BATCHES = 512, 32, (1, 8, 32)
-
-
-def gemm_seconds(dtype: torch.dtype, size: int = 1024) -> float:
-    """Seconds for one [size, size] @ [size, size] GEMM (2 * size^3 FLOPs)."""
-    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-    a @ b
-    return seconds(lambda: a @ b)
 
 
 def build(name: str, dtype: torch.dtype) -> Qwen35ForCausalLM:
@@ -122,20 +125,35 @@ class Theirs:
         return seconds(lambda: self.hf(token, cache=self.caches[batch], use_cache=True, position_ids=position))
 
 
-def gemm_params(model: Qwen35ForCausalLM) -> int:
-    """Weights touched by GEMMs per token: all but the embedding table, plus the LM head (once, even if tied)."""
-    params = sum(p.numel() for p in model.parameters()) - model.model.embed_tokens.weight.numel()
-    if model.config.tie_word_embeddings:
-        params += model.lm_head.weight.numel()
-    return params
+def decode_cost(model: Qwen35ForCausalLM, batch: int, context: int, weight_bytes: int) -> ForwardCost:
+    return forward_cost(model.config, weight_bytes, 0, 0, [context] * batch, batch)
 
 
-def bench_model(name: str, dtype: torch.dtype, rounds: int, steps: int, with_hf: bool) -> None:
+def decode_linears(model: Qwen35ForCausalLM) -> list[FusedLinear]:
+    """Every GEMM a decode step runs, in forward order, as the engine runs it (packed where it packs)."""
+    found = []
+    for layer in model.model.layers:
+        mixer = layer.linear_attn if layer.is_linear else layer.self_attn
+        found += [mixer.fused_in, mixer.fused_out] if layer.is_linear else [mixer.fused_qkv, mixer.fused_o]
+        mlp = layer.mlp
+        found += [mlp.packed_gate, mlp.packed_up] if mlp.packed_gate is not None else [mlp.fused_gate_up]
+        found.append(mlp.fused_down)
+    return found + [model.fused_lm_head]
+
+
+def gemm_floor_seconds(linears: list[FusedLinear], batch: int, dtype: torch.dtype) -> float:
+    """One pass of a decode step's GEMMs alone (no norms, no mixers): what the GEMM kernels cost by themselves.
+
+    The weights together are larger than the caches, so each is read from memory as in a real step.
+    """
+    inputs = [torch.randn(batch, linear.weight.shape[1], dtype=dtype) for linear in linears]
+    return seconds(lambda: [linear(x) for linear, x in zip(linears, inputs)])
+
+
+def bench_model(name: str, dtype: torch.dtype, rounds: int, steps: int, with_hf: bool) -> list[dict]:
+    """Interleaved rounds of ours / transformers / the machine rates; one result row per forward kind."""
     model = build(name, dtype)
-    params = gemm_params(model)
-    # A prefill runs the LM head on its last row only, so its GEMM work is the body per token plus one head.
-    head = model.lm_head.weight.numel()
-    prefill_flops = 2 * ((params - head) * PROMPT_LEN + head)
+    weight_bytes = torch.finfo(dtype).bits // 8
     prompt = [(i * 37) % model.config.vocab_size for i in range(PROMPT_LEN)]
     ours, theirs = Ours(model, (rounds + 1) * steps), (Theirs(model) if with_hf else None)
     # Warm-up: first calls allocate and pick kernels.
@@ -143,12 +161,14 @@ def bench_model(name: str, dtype: torch.dtype, rounds: int, steps: int, with_hf:
     if theirs:
         theirs.decode_step(1)
     times: dict[str, list[float]] = {}
+    rates: list[MachineRates] = []
+    linears = decode_linears(model)
 
     def record(key: str, value: float) -> None:
         times.setdefault(key, []).append(value)
 
     for _ in range(rounds):
-        record("gemm", gemm_seconds(dtype))
+        rates.append(measure_rates(dtype, repeats=1, clock=CLOCK))
         record("ours prefill", ours.prefill(prompt))
         if theirs:
             record("theirs prefill", theirs.prefill(prompt))
@@ -157,22 +177,42 @@ def bench_model(name: str, dtype: torch.dtype, rounds: int, steps: int, with_hf:
                 record(f"ours b{batch}", ours.decode_step(batch))
                 if theirs:
                     record(f"theirs b{batch}", theirs.decode_step(batch))
+            record(f"gemms b{batch}", gemm_floor_seconds(linears, batch, dtype))
     median = {key: statistics.median(values) for key, values in times.items()}
-    flops = 2 * 1024 ** 3 / median["gemm"]
-    nan = float("nan")
-    ours_rate = PROMPT_LEN / median["ours prefill"]
-    theirs_rate = PROMPT_LEN / median["theirs prefill"] if theirs else nan
-    print(f"[{name}] params(no embed)={params / 1e6:.1f}M  GEMM {flops / 1e9:.1f} GFLOP/s  "
-          f"prefill {PROMPT_LEN}: ours {ours_rate:8.1f} tok/s  transformers {theirs_rate:8.1f} tok/s  "
-          f"ratio {ours_rate / theirs_rate:5.2f}x  GEMM-bound share {prefill_flops / median['ours prefill'] / flops:5.1%}  "
-          f"ceiling {PROMPT_LEN / theirs_rate / (prefill_flops / flops):5.2f}x")
-    for batch in BATCHES:
-        ours_rate = batch / median[f"ours b{batch}"]
-        theirs_rate = batch / median[f"theirs b{batch}"] if theirs else nan
-        print(f"[{name}] decode b{batch:<2}: ours {ours_rate:8.1f} tok/s ({median[f'ours b{batch}'] * 1e3:7.2f} ms/step)  "
-              f"transformers {theirs_rate:8.1f} tok/s  ratio {ours_rate / theirs_rate:5.2f}x  "
-              f"GEMM-bound share {ours_rate * 2 * params / flops:5.1%}  "
-              f"ceiling {flops / (2 * params * theirs_rate):5.2f}x")
+    rate = MachineRates(statistics.median(r.flops_per_s for r in rates),
+                        statistics.median(r.bytes_per_s for r in rates))
+    print(f"[{name}] machine: square GEMM {rate.flops_per_s / 1e9:.1f} GFLOP/s, read {rate.bytes_per_s / 1e9:.1f} GB/s "
+          f"(medians of {rounds} rounds)")
+    # Decode rows sit after DECODE_CONTEXT prompt tokens plus the steps already taken.
+    context = DECODE_CONTEXT + (rounds * steps) // 2 + 1
+    kinds = [("prefill", 1, "prefill", forward_cost(model.config, weight_bytes, PROMPT_LEN, 0, [], 1))]
+    kinds += [("decode", batch, f"b{batch}", decode_cost(model, batch, context, weight_bytes)) for batch in BATCHES]
+    rows = []
+    for row, batch, key, cost in kinds:
+        ours_s, theirs_s = median[f"ours {key}"], median.get(f"theirs {key}")
+        roofline_s = rate.seconds(cost)
+        bound = "compute" if cost.flops / rate.flops_per_s >= cost.bytes / rate.bytes_per_s else "memory"
+        rows.append({"model": name, "row": row, "batch": batch, "ours_ms": ours_s * 1e3,
+                     "theirs_ms": None if theirs_s is None else theirs_s * 1e3,
+                     "ratio": None if theirs_s is None else theirs_s / ours_s,
+                     "roofline_ms": roofline_s * 1e3, "roofline_share": roofline_s / ours_s,
+                     "theirs_roofline_share": None if theirs_s is None else roofline_s / theirs_s,
+                     "bound": bound, "gflop": cost.flops / 1e9, "mbytes": cost.bytes / 1e6,
+                     # The decode GEMMs alone: no forward using these kernels can beat this share.
+                     "gemms_only_ms": median[f"gemms {key}"] * 1e3 if row == "decode" else None,
+                     "gemms_only_share": roofline_s / median[f"gemms {key}"] if row == "decode" else None})
+    for r in rows:
+        theirs_text = "n/a" if r["theirs_ms"] is None else f"{r['theirs_ms']:8.2f} ms"
+        ratio_text = "n/a" if r["ratio"] is None else f"{r['ratio']:5.2f}x"
+        their_share = "n/a" if r["theirs_roofline_share"] is None else f"{r['theirs_roofline_share']:5.1%}"
+        label = f"prefill {PROMPT_LEN}" if r["row"] == "prefill" else f"decode b{r['batch']:<2}"
+        print(f"[{name}] {label:11}: ours {r['ours_ms']:8.2f} ms  transformers {theirs_text}  ratio {ratio_text}  "
+              f"roofline {r['roofline_ms']:7.2f} ms "
+              f"({r['bound']}-bound: {r['gflop']:.2f} GFLOP, {r['mbytes']:.0f} MB)  "
+              f"share ours {r['roofline_share']:5.1%} transformers {their_share}"
+              + ("" if r["gemms_only_ms"] is None else
+                 f"  | its GEMMs alone {r['gemms_only_ms']:7.2f} ms = {r['gemms_only_share']:5.1%} of the roofline"))
+    return rows
 
 
 def main() -> None:
@@ -181,17 +221,24 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
     parser.add_argument("--steps", type=int, default=4, help="decode steps per batch size per round")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (both sides)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="auto: bfloat16 where the CPU has AMX or AVX512-BF16, else float32 (the engine's default)")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object on stdout (the table goes to stderr)")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     parser.add_argument("--clock", default="wall", choices=["wall", "cpu"],
                         help="cpu: thread CPU time (steadier on a loaded machine; meaningful with --threads 1)")
     parser.add_argument("--no-prepack", action="store_true",
                         help="MKL sgemm only: no oneDNN-prepacked prefill GEMMs (the engine prepacks by default; "
                              "CHUNKSCOPE_ONEDNN_PREPACK=0 does the same)")
+    parser.add_argument("--no-decode-prepack", action="store_true",
+                        help="decode rows through MKL's sgemm, prefill still prepacked (CHUNKSCOPE_DECODE_PREPACK=0)")
     args = parser.parse_args()
+    from engine.model import layers
     if args.no_prepack:
-        from engine.model import layers
         layers.PREPACK_ENABLED = False
+    if args.no_decode_prepack:
+        layers.DECODE_PREPACK_ENABLED = False
     for name, value in (("--rounds", args.rounds), ("--steps", args.steps), ("--threads", args.threads)):
         if value < 1:
             parser.error(f"{name} must be >= 1, got {value}")
@@ -199,11 +246,21 @@ def main() -> None:
     CLOCK = time.thread_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    print(f"threads={torch.get_num_threads()} dtype={args.dtype} rounds={args.rounds} steps={args.steps} clock={args.clock}")
-    for name in args.models.split(","):
+    global print
+    if args.json:
+        print = functools.partial(builtins.print, file=sys.stderr)
+    dtype, flags = resolve_dtype(args.dtype), cpu_flags()
+    print(f"cpu={cpu_model()} ({isa_summary(flags)}) threads={torch.get_num_threads()} dtype={dtype} "
+          f"rounds={args.rounds} steps={args.steps} clock={args.clock}")
+    names = args.models.split(",")
+    for name in names:
         if name not in ("tiny", "smol"):
             parser.error(f"--models: unknown model {name!r} (tiny, smol)")
-        bench_model(name, getattr(torch, args.dtype), args.rounds, args.steps, not args.no_hf)
+    rows = [row for name in names
+            for row in bench_model(name, getattr(torch, dtype), args.rounds, args.steps, not args.no_hf)]
+    if args.json:
+        builtins.print(json.dumps({"cpu": cpu_model(), "isa": isa_summary(flags), "threads": torch.get_num_threads(),
+                                   "dtype": dtype, "clock": args.clock, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -10,8 +10,12 @@ dashboard page (Streamlit's AppTest, caches cleared; the fastest of
 At the end it prints the table and the verdicts:
 - WAL bounded: the largest -wal seen stays under ``--wal-bound-mb``;
 - pages flat: each page's mean time over the last third of samples is at most
-  ``--page-growth`` times its mean over the first third.
-Exit status 0 when both hold, 1 otherwise. Not part of CI.
+  ``--page-growth`` times its mean over the first third;
+- RSS bounded: the engine's mean resident memory over the last third of samples is at
+  most ``--rss-growth-mb`` above its mean over the first third (the engine's fast paths:
+  prepacked weights, oneDNN's per-shape state, compiled graphs, must not grow with ticks).
+``--engine-args "..."`` passes more flags to ``serve`` (e.g. ``--dtype bfloat16``).
+Exit status 0 when all hold, 1 otherwise. Not part of CI.
 """
 from __future__ import annotations
 
@@ -102,6 +106,8 @@ def main() -> int:
     parser.add_argument("--run-dir", type=Path, default=None, help="default: a fresh temp dir")
     parser.add_argument("--wal-bound-mb", type=float, default=48.0)
     parser.add_argument("--page-growth", type=float, default=1.5)
+    parser.add_argument("--rss-growth-mb", type=float, default=64.0)
+    parser.add_argument("--engine-args", default="", help="extra flags for `python -m engine serve`")
     parser.add_argument("--page-repeats", type=int, default=3, help="cold renders per page per sample (min kept)")
     parser.add_argument("--clock", default="cpu", choices=["cpu", "wall"],
                         help="which page time the flatness verdict uses (both are printed)")
@@ -111,7 +117,7 @@ def main() -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     engine = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--model", "tiny", "--run-dir", str(run_dir),
-                               "--rate", str(args.rate)], env=env, stdout=subprocess.DEVNULL,
+                               "--rate", str(args.rate), *args.engine_args.split()], env=env, stdout=subprocess.DEVNULL,
                               stderr=open(run_dir / "soak_engine.stderr", "wb"))
     db = run_dir / "telemetry.db"
     samples: list[dict] = []
@@ -160,9 +166,14 @@ def main() -> int:
         print(f"page {clock} time, last third / first third: " + ", ".join(parts))
     is_wal_ok = max_wal < args.wal_bound_mb
     is_pages_ok = all(g <= args.page_growth for g in growth.values())
+    rss_first, rss_last = thirds("rss_mb")
+    is_rss_ok = rss_last - rss_first <= args.rss_growth_mb
+    print(f"engine RSS mean, first third {rss_first:.0f} MB, last third {rss_last:.0f} MB, "
+          f"max {max(s['rss_mb'] for s in samples):.0f} MB")
     print(f"WAL bounded: {'yes' if is_wal_ok else 'NO'}; page {args.clock} times flat (<= {args.page_growth}x): "
-          f"{'yes' if is_pages_ok else 'NO'}")
-    return 0 if is_wal_ok and is_pages_ok else 1
+          f"{'yes' if is_pages_ok else 'NO'}; RSS bounded (+{rss_last - rss_first:.0f} MB <= "
+          f"{args.rss_growth_mb:.0f} MB): {'yes' if is_rss_ok else 'NO'}")
+    return 0 if is_wal_ok and is_pages_ok and is_rss_ok else 1
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from dashboard import (lever_state, queries_chunks, queries_live, queries_prefix, queries_requests, queries_runs,
-                       queries_spec)
+from dashboard import (lever_state, queries_api, queries_chunks, queries_grammar, queries_live, queries_prefix,
+                       queries_requests, queries_runs, queries_spec)
 from dashboard.db import DataUnavailable, query_one
 from dashboard.queries_chunks import ChunkFilter
 
@@ -54,6 +54,16 @@ def timeline_window(db: str, run_id: int, version: Version, window_s: float):
 
 
 @st.cache_data(max_entries=_ENTRIES, show_spinner=False)
+def kv_quant_status(db: str, run_id: int, version: Version) -> dict | None:
+    return queries_live.kv_quant_status(Path(db), run_id)
+
+
+@st.cache_data(max_entries=_ENTRIES, show_spinner=False)
+def api_activity(db: str, run_id: int, version: Version, end_ns: int, window_s: float) -> dict:
+    return queries_api.api_activity(Path(db), run_id, end_ns, window_s)
+
+
+@st.cache_data(max_entries=_ENTRIES, show_spinner=False)
 def latency_percentiles(db: str, run_id: int, version: Version) -> pd.DataFrame:
     return queries_live.latency_percentiles(Path(db), run_id)
 
@@ -77,6 +87,8 @@ def request_view(db: str, run_id: int, version: Version, search, statuses: tuple
     path = Path(db)
     found = queries_requests.find_requests(path, run_id, search, statuses)
     ids = [int(x) for x in found["request_id"]] if len(found) else []
+    if ids:   # grammar marks: their own query, so a store without grammar columns still lists requests
+        found = found.merge(queries_grammar.marks(path, run_id, ids), on="request_id", how="left")
     return (queries_requests.status_counts(path, run_id), found,
             queries_requests.lifecycle_events(path, run_id, ids),
             queries_requests.data_end_ms(path, run_id), queries_requests.errors(path, run_id))
@@ -96,6 +108,11 @@ def lever_changes(db: str, run_id: int, version: Version) -> pd.DataFrame:
 @st.cache_data(max_entries=_ENTRIES, show_spinner=False)
 def run_metrics(db: str, run_id: int, version: Version) -> dict:
     return queries_runs.run_metrics(Path(db), run_id)
+
+
+@st.cache_data(max_entries=_ENTRIES, show_spinner=False)
+def roofline_by_path(db: str, run_id: int, version: Version) -> pd.DataFrame:
+    return queries_runs.roofline_by_path(Path(db), run_id)
 
 
 @st.cache_data(max_entries=_ENTRIES, show_spinner=False)
@@ -124,3 +141,8 @@ def spec_view(db: str, run_id: int, version: Version, window_s: float):
     return (queries_spec.totals_by_kind(path, run_id), queries_spec.acceptance_over_time(path, run_id),
             queries_spec.steps_since(path, run_id, first_tick), queries_spec.drops_since(path, run_id, first_tick),
             (start_ns / 1e6, end_ns / 1e6))
+
+
+@st.cache_data(max_entries=_ENTRIES, show_spinner=False)
+def grammar_summary(db: str, run_id: int, version: Version) -> dict | None:
+    return queries_grammar.summary(Path(db), run_id)

@@ -22,7 +22,7 @@ CAP_RULES = (ev.CAP_REMAINING, ev.CAP_MAX_PREFILL, ev.CAP_SLICE_BUDGET, ev.CAP_W
 BLOCKERS = (NO_BLOCKER, ev.BLOCK_BISECT, ev.BLOCK_NO_DECODES, ev.BLOCK_EXPERT_PARALLEL, ev.BLOCK_SPECULATION)
 TABLE_COLUMNS = ("tick", "request_id", "offset", "length", "prompt_len", "is_last", "cap_rule",
                  "max_prefill_tokens", "slice_budget", "ssm_tail_boundary", "path", "can_mix", "mix_blocker",
-                 "decode_width", "duration_ns", "outcome", "num_preempted")
+                 "decode_width", "duration_ns", "outcome", "num_preempted", "kv_quant_state")
 NUM_HIST_BINS = 40
 NEWEST_SCOPE = 10_000          # default view: the newest decisions (minutes of a busy run), so cost stays flat
 NUM_SHARE_BUCKETS = 60
@@ -79,7 +79,9 @@ def chunk_count(db: Path, run_id: int, flt: ChunkFilter) -> int:
 def chunk_table(db: Path, run_id: int, flt: ChunkFilter, limit: int = 500) -> pd.DataFrame:
     """The newest ``limit`` matching decisions, newest first."""
     where, params = flt.where(run_id)
-    cols = ", ".join(f'"{c}"' for c in TABLE_COLUMNS)
+    # A store written before a column was added (an old bundle) lacks it: show what it has.
+    present = set(query_df(db, "SELECT name FROM pragma_table_info(?)", ["chunks"])["name"])
+    cols = ", ".join(f'"{c}"' for c in TABLE_COLUMNS if c in present)
     frame = query_df(db, f"SELECT {cols} FROM chunks WHERE {where} ORDER BY tick DESC, id DESC LIMIT ?",
                      params + [int(limit)])
     for col in ("is_last", "can_mix"):

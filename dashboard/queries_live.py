@@ -9,6 +9,7 @@ Time convention: a tick's ``t_ns`` is when its forward started and
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pandas as pd
 
 from dashboard.db import percentile_sql, query_df, query_one
 from dashboard.queries_totals import run_totals_of
+from telemetry.events import EVENT_KV_QUANT_STATE
 
 MAX_RAW_FORWARDS = 4_000       # past this many forwards in the window, bucket them in SQL (a screen is ~1,500 px wide)
 NUM_BUCKETS = 1_500
@@ -26,6 +28,7 @@ RECENT_REQUESTS = 2_000        # live TTFT / e2e percentiles: the newest request
 ITL_SAMPLE_TOKENS = 10_000     # whole-run ITL: sample whole requests down to about this many tokens
 WHOLE_RUN_REQUESTS = 2_000     # whole-run TTFT / e2e: sample request ids down to at most this many
 NS_PER_MS = 1_000_000
+KV_QUANT_EVENT = EVENT_KV_QUANT_STATE
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class TimelineWindow:
     num_forwards: int              # forwards in the window before any bucketing
     is_bucketed: bool
     stream_events_capped: bool = False   # MAX_STREAM_EVENTS reached: older ones in the window not drawn
+    kv_quant_changes: pd.DataFrame | None = None  # InnerQ calibration state changes in the window
 
 
 def latest_tick(db: Path, run_id: int) -> dict | None:
@@ -63,6 +67,7 @@ def _forwards(db: Path, run_id: int, start_ns: int, num_forwards: int, end_ns: i
         frame = query_df(db, """
             SELECT t.tick, t.t_ns / 1e6 AS start_ms, t.duration_ns / 1e6 AS dur_ms, t.path,
                    t.num_prefill_tokens, t.num_decode_tokens,
+                   t.roofline_ns * 1.0 / NULLIF(t.duration_ns, 0) AS roofline_share,
                    c.request_id, c.chunk_len, c.decode_width, c.cap_rule, c.mix_blocker
             FROM ticks t LEFT JOIN (
                 SELECT tick, MIN(request_id) AS request_id, SUM(length) AS chunk_len,
@@ -76,7 +81,9 @@ def _forwards(db: Path, run_id: int, start_ns: int, num_forwards: int, end_ns: i
     frame = query_df(db, """
         SELECT (t_ns - ?) / ? AS bucket, path, MIN(t_ns) / 1e6 AS start_ms,
                MAX(t_ns + duration_ns) / 1e6 AS end_ms, COUNT(*) AS num_ticks,
-               SUM(num_prefill_tokens + num_decode_tokens) AS num_tokens
+               SUM(num_prefill_tokens + num_decode_tokens) AS num_tokens,
+               SUM(roofline_ns) * 1.0 / NULLIF(SUM(CASE WHEN roofline_ns IS NOT NULL THEN duration_ns END), 0)
+                   AS roofline_share
         FROM ticks WHERE run_id = ? AND t_ns >= ? AND path != 'idle'
         GROUP BY bucket, path ORDER BY bucket""", [start_ns, bucket_ns, run_id, start_ns])
     return frame, True
@@ -117,9 +124,32 @@ def timeline_window(db: Path, run_id: int, window_s: float) -> TimelineWindow | 
                            [run_id, first_tick, MAX_MARKERS])
     levers = query_df(db, "SELECT t_ns / 1e6 AS t_ms, tick, name, old, new, status FROM lever_changes "
                           "WHERE run_id = ? AND tick >= ? ORDER BY tick LIMIT ?", [run_id, first_tick, MAX_MARKERS])
+    kv_quant = query_df(db, "SELECT t_ns / 1e6 AS t_ms, tick, request_id, detail FROM events "
+                            "WHERE run_id = ? AND kind = ? AND tick >= ? ORDER BY tick LIMIT ?",
+                        [run_id, KV_QUANT_EVENT, first_tick, MAX_MARKERS])
     return TimelineWindow(forwards, streams, _links(streams), preemptions, levers,
                           start_ns / NS_PER_MS, end_ns / NS_PER_MS, num_forwards, is_bucketed,
-                          stream_events_capped=len(streams) >= MAX_STREAM_EVENTS)
+                          stream_events_capped=len(streams) >= MAX_STREAM_EVENTS,
+                          kv_quant_changes=kv_quant_changes(kv_quant))
+
+
+def kv_quant_changes(rows: pd.DataFrame) -> pd.DataFrame:
+    """Event rows -> t_ms, tick, old, new, tokens_seen (the detail JSON unpacked)."""
+    details = [json.loads(d) if isinstance(d, str) else {} for d in rows.get("detail", [])]
+    return pd.DataFrame({"t_ms": rows.get("t_ms", []), "tick": rows.get("tick", []),
+                         "old": [d.get("old") for d in details], "new": [d.get("new") for d in details],
+                         "tokens_seen": [d.get("tokens_seen") for d in details]})
+
+
+def kv_quant_status(db: Path, run_id: int) -> dict | None:
+    """The run's latest KV quantization state change (old, new, tick), or None (full precision or none yet)."""
+    row = query_one(db, "SELECT tick, detail FROM events WHERE run_id = ? AND kind = ? ORDER BY id DESC LIMIT 1",
+                    [run_id, KV_QUANT_EVENT])
+    if row is None:
+        return None
+    detail = json.loads(row["detail"]) if isinstance(row["detail"], str) else {}
+    return {"tick": row["tick"], "old": detail.get("old"), "new": detail.get("new"),
+            "kv_cache_dtype": detail.get("kv_cache_dtype")}
 
 
 def _newest(db: Path, sql: str, run_id: int) -> int:

@@ -9,7 +9,8 @@ import pandas as pd
 from dashboard.db import placeholders, query_df
 
 REQUEST_COLUMNS = ("request_id", "status", "arrival_ns", "admitted_ns", "first_token_ns", "finished_ns",
-                   "prompt_len", "output_len", "prefix_hit_tokens", "prefix_miss_reason", "finish_reason", "error")
+                   "prompt_len", "output_len", "prefix_hit_tokens", "prefix_miss_reason", "finish_reason", "error",
+                   "coalesce(source, 'workload') AS source", "first_token_rules")
 MAX_LISTED = 50
 
 

@@ -104,3 +104,29 @@ def levers_in_effect(start: dict, changes: list[dict]) -> tuple[dict, dict[str, 
         else:
             later.setdefault(change["name"], []).append(f"tick {int(change['tick'])}: {value}")
     return first, {name: "; ".join(items) for name, items in later.items()}
+
+
+ROOFLINE_RECENT_TICKS = 20_000  # the per-path roofline summary reads at most the newest this many forwards
+ROOFLINE_COLUMNS = ["path", "forwards", "time_weighted_share", "p10_share", "p50_share", "p90_share"]
+
+
+def roofline_by_path(db: Path, run_id: int) -> pd.DataFrame:
+    """Each path's share of its roofline (``ticks.roofline_ns / duration_ns``) over the newest forwards.
+
+    ``time_weighted_share``: the forwards' summed roofline time over their summed measured time
+    (what the path reached as a whole); the percentiles are over single forwards. Empty when
+    the run recorded no rooflines (an engine that measured no machine rates, or an older store).
+    """
+    frame = query_df(db, """
+        SELECT path, roofline_ns, duration_ns FROM ticks
+        WHERE run_id = ? AND path != 'idle' AND roofline_ns IS NOT NULL AND duration_ns > 0
+        ORDER BY id DESC LIMIT ?""", [run_id, ROOFLINE_RECENT_TICKS])
+    if frame.empty:
+        return pd.DataFrame(columns=ROOFLINE_COLUMNS)
+    frame["share"] = frame["roofline_ns"] / frame["duration_ns"]
+    rows = []
+    for path, group in frame.groupby("path", sort=True):
+        rows.append({"path": path, "forwards": len(group),
+                     "time_weighted_share": group["roofline_ns"].sum() / group["duration_ns"].sum(),
+                     **{f"p{q}_share": group["share"].quantile(q / 100) for q in (10, 50, 90)}})
+    return pd.DataFrame(rows, columns=ROOFLINE_COLUMNS)

@@ -1,7 +1,8 @@
 """The Live page's stream-lane timeline: a pure DataFrame -> Figure builder.
 
-Lanes, top to bottom: ``events`` (preemption and lever-change markers),
-``scheduler`` (one bar per forward, coloured by path), then one lane per
+Lanes, top to bottom: ``events`` (preemption, lever-change and KV quantization state markers),
+``scheduler`` (one bar per forward, coloured by path), ``roofline`` (each
+forward's share of its roofline, red 0% to green 100%), then one lane per
 stream (``default``, ``prefill``, ``secondary``) with record / wait / sync
 markers, GPU-timed intervals and record -> wait links.
 
@@ -17,9 +18,10 @@ import plotly.graph_objects as go
 
 from dashboard.palette import FALLBACK_COLOR, KIND_COLORS, KIND_SYMBOLS, LEVER_COLOR, PATH_COLORS, path_color
 
-LANES = ("events", "scheduler", "default", "prefill", "secondary")
+LANES = ("events", "scheduler", "roofline", "default", "prefill", "secondary")
 STREAM_LANES = ("default", "prefill", "secondary")
 WEBGL_THRESHOLD = 10_000
+ROOFLINE_COLORSCALE = "RdYlGn"  # red: far from what the machine allows, green: at the roofline
 # A constant uirevision keeps the user's zoom / pan across fragment refreshes.
 TIMELINE_UIREVISION = "chunkscope-live-timeline"
 
@@ -87,6 +89,30 @@ def _forward_segments(segments: pd.DataFrame) -> list[go.Scattergl]:
     return traces
 
 
+def _roofline_trace(forwards: pd.DataFrame, webgl: bool) -> list:
+    """One marker per forward (or time bucket) in the roofline lane, coloured by its roofline share.
+
+    The share is roofline time / measured time (engine/model/roofline.py): how close that
+    forward came to what the machine allows. Forwards without a recorded roofline are left out.
+    """
+    if "roofline_share" not in forwards.columns:
+        return []
+    rows = forwards[forwards["roofline_share"].notna()]
+    if rows.empty:
+        return []
+    end = rows["end_ms"] if "end_ms" in rows.columns else rows["start_ms"] + rows["dur_ms"]
+    share = rows["roofline_share"].to_numpy(dtype=float)
+    trace = go.Scattergl if webgl else go.Scatter
+    return [trace(
+        name="roofline share", x=((rows["start_ms"] + end) / 2).to_numpy(dtype=float),
+        y=np.full(len(rows), LANE_Y["roofline"]), mode="markers", customdata=rows[["path"]].astype(str).to_numpy(),
+        marker={"symbol": "square", "size": 10, "color": share, "colorscale": ROOFLINE_COLORSCALE,
+                "cmin": 0.0, "cmax": 1.0, "colorbar": {"title": {"text": "roofline"}, "tickformat": ".0%",
+                                                        "len": 0.5, "thickness": 10}},
+        hovertemplate="%{customdata[0]} forward reached %{marker.color:.1%} of its roofline<extra></extra>",
+    )]
+
+
 def _stream_traces(stream_events: pd.DataFrame, links: pd.DataFrame) -> list:
     traces: list = []
     timed = stream_events[stream_events["gpu_elapsed_ms"].notna()]
@@ -142,6 +168,21 @@ def _marker_traces(preemptions: pd.DataFrame, lever_changes: pd.DataFrame) -> li
     return traces
 
 
+def _kv_quant_traces(changes: pd.DataFrame | None) -> list[go.Scatter]:
+    """InnerQ calibration state changes (calibrating -> ready -> applied) on the events lane."""
+    if changes is None or not len(changes):
+        return []
+    text = [f"KV cache {r.old} → {r.new} at tick {r.tick}"
+            + (f" ({int(r.tokens_seen)} prefill tokens calibrated)" if pd.notna(r.tokens_seen) else "")
+            for r in changes.itertuples()]
+    return [go.Scatter(
+        name="KV quant state", x=changes["t_ms"].to_numpy(dtype=float),
+        y=np.full(len(changes), LANE_Y["events"]), mode="markers+text", text=changes["new"].astype(str).tolist(),
+        textposition="top center", hovertext=text, hovertemplate="%{hovertext}<extra></extra>",
+        marker={"symbol": "star", "size": 13, "color": "#9467bd"},
+    )]
+
+
 def timeline_figure(
     forwards: pd.DataFrame,
     stream_events: pd.DataFrame,
@@ -150,6 +191,7 @@ def timeline_figure(
     lever_changes: pd.DataFrame,
     x_range: tuple[float, float] | None = None,
     stream_events_cap: int | None = None,
+    kv_quant_changes: pd.DataFrame | None = None,
 ) -> go.Figure:
     """Build the lane timeline.
 
@@ -161,16 +203,19 @@ def timeline_figure(
     ``stream_events_cap``: the stream events were cut at this many; the chart says so.
     """
     is_bucketed = "end_ms" in forwards.columns
+    webgl = is_bucketed or len(forwards) > WEBGL_THRESHOLD
     if is_bucketed:
         traces = _forward_segments(forwards)
-    elif len(forwards) > WEBGL_THRESHOLD:
+    elif webgl:
         as_segments = forwards.assign(
             end_ms=forwards["start_ms"] + forwards["dur_ms"], num_ticks=1,
             num_tokens=forwards["num_prefill_tokens"] + forwards["num_decode_tokens"])
         traces = _forward_segments(as_segments)
     else:
         traces = _forward_bars(forwards)
+    traces += _roofline_trace(forwards, webgl)
     traces += _stream_traces(stream_events, links) + _marker_traces(preemptions, lever_changes)
+    traces += _kv_quant_traces(kv_quant_changes)
     fig = go.Figure(traces)
     # Drawn in its own frame (live_timeline.py), outside Streamlit's chart theme: an explicit
     # template (Streamlit's default one holds placeholder colours its own chart swaps) and

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from engine.kv_cache_args import budget_bytes, kv_quant_config
+from engine.model.cpu_features import cpu_flags, isa_summary, resolve_dtype
 from engine.model.fault import ForwardFault
 from engine.model.loader import load_model
 from engine.model.runner import ModelRunner
@@ -52,11 +54,16 @@ def checkpoint_dir_of(name_or_dir: str) -> Path:
 
 
 def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: LeverValues,
-                 seed: int = 0, device: str | None = None, dtype: torch.dtype = torch.float32,
+                 seed: int = 0, device: str | None = None, dtype: torch.dtype | str = torch.float32,
                  emit=None, prefix_cache: bool = True, threads: int | None = None,
-                 fault: ForwardFault | None = None) -> EngineSetup:
-    """``fault``: the test-only forward fault hook (``engine/model/fault.py``), recorded in the config."""
+                 fault: ForwardFault | None = None, kv_cache: dict[str, Any] | None = None) -> EngineSetup:
+    """``fault``: the test-only forward fault hook (``engine/model/fault.py``), recorded in the config.
+    ``kv_cache``: ``kv_cache_options`` (format, byte budget, InnerQ windows), recorded in the config.
+    ``dtype``: a torch dtype, or a ``--dtype`` choice ('auto' picks by the CPU's flags, cpu_features.py).
+    """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype_choice = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    dtype = getattr(torch, resolve_dtype(dtype_choice, device=device))
     # Tiny ops gain nothing from a thread team, and on a shared, busy machine its
     # spin-waits cost 10x: the tiny model runs single-threaded unless told otherwise.
     threads = threads or (1 if model_name == "tiny" else None)
@@ -66,14 +73,23 @@ def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: Lev
         raise ValueError(f"--kv-blocks and --ssm-slots must be >= 1, got {kv_blocks} and {ssm_slots}")
     directory = checkpoint_dir_of(model_name)
     model, config, tokenizer = load_model(directory, dtype=dtype, device=device)
+    kv_cache = dict(kv_cache or {"kv_cache_dtype": "auto"})
     runner = ModelRunner(model, num_kv_blocks=kv_blocks, num_ssm_slots=ssm_slots,
-                         block_size=BLOCK_SIZE, device=device, dtype=dtype, fault=fault)
+                         block_size=BLOCK_SIZE, device=device, dtype=dtype, fault=fault,
+                         kv_quant=kv_quant_config(kv_cache), kv_budget_bytes=budget_bytes(kv_cache))
     scheduler = Scheduler(runner, levers, emit=emit, run_seed=seed, prefix_cache=prefix_cache)
+    if tokenizer is not None:
+        scheduler.detokenize = tokenizer.decode
+        from engine.grammar.compiler import GrammarCompiler
+        scheduler.grammars = GrammarCompiler.for_model(model, tokenizer, runner.vocab_size)
     engine_config = {"kv_blocks": kv_blocks, "block_size": BLOCK_SIZE, "ssm_slots": ssm_slots,
                      "device": device, "dtype": str(dtype).removeprefix("torch."), "seed": seed,
+                     "dtype_choice": dtype_choice, "cpu_isa": isa_summary(cpu_flags()),
                      "prefix_cache": prefix_cache, "threads": torch.get_num_threads(),
+                     **{k: v for k, v in kv_cache.items() if v is not None},
+                     "kv_cache_blocks": runner.block_manager.num_blocks, "kv_cache_bytes": runner.kv_bytes_total,
                      # Paged K/V layers (full attention + the MTP module's) and their bytes.
-                     "kv_layers": len(runner.kv_store.keys), "kv_bytes": runner.kv_store.num_bytes,
+                     "kv_layers": len(model.kv_layer_ids), "kv_bytes": runner.kv_store.num_bytes,
                      "mtp_layers": len(model.mtp.layers) if model.has_mtp_head else 0}
     if fault is not None:
         engine_config["fault_forward"] = fault.describe()

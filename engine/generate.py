@@ -4,9 +4,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 
+from engine.kv_cache_args import add_kv_cache_args, budget_bytes, kv_cache_options, kv_quant_config
+from engine.grammar import masks
+from engine.grammar.compiler import GrammarCompiler
+from engine.grammar.spec import GrammarSpec
 from engine.model.loader import load_model
 from engine.model.runner import ModelRunner
 from engine.scheduler.loop import Scheduler
@@ -47,43 +52,96 @@ def check_request(model, prompt: list[int], params: SamplingParams) -> int:
     return total
 
 
-def generate(model, tokenizer, prompt: list[int], params: SamplingParams, stop_at_eos: bool = True) -> dict:
-    """Greedy or sampled continuation of ``prompt``; returns {"tokens": [...], "text": str | None}."""
+def generate(model, tokenizer, prompt: list[int], params: SamplingParams, stop_at_eos: bool = True,
+             grammar: dict | None = None, kv_cache: dict | None = None) -> dict:
+    """Greedy or sampled continuation of ``prompt``; returns {"tokens": [...], "text": str | None}, plus
+    "kv_cache_dtype" and "kv_quant_state" with InnerQ. ``kv_cache``: ``kv_cache_options`` (default auto).
+
+    ``grammar`` (``engine/grammar/spec.py``) constrains the output: every step's logits are
+    masked, and generation stops when the grammar is complete ("finish_reason": "stop").
+    """
+    kv_cache = kv_cache or {"kv_cache_dtype": "auto"}
     total = check_request(model, prompt, params)
     weight = next(model.parameters())   # the caches hold what the weights compute in (bfloat16 too)
     runner = ModelRunner(model, num_kv_blocks=-(-total // 16) + 1, num_ssm_slots=1, device=weight.device,
-                         dtype=weight.dtype)
+                         dtype=weight.dtype, kv_quant=kv_quant_config(kv_cache), kv_budget_bytes=budget_bytes(kv_cache))
     seq = SequenceState(request_id=0)
     runner.admit(seq)
     eos_ids = {model.eos_token_id} if model.eos_token_id is not None else set()
     generator = make_generator(params.seed)
+    state = _grammar_state(model, tokenizer, grammar) if grammar is not None else None
+    finish = "length"
     logits = None
     for offset in range(0, len(prompt), PREFILL_CHUNK):
         length = min(PREFILL_CHUNK, len(prompt) - offset)
+        runner.poll_kv_quant()  # as the scheduler: InnerQ's calibration moves on before each chunk
         logits = runner.prefill_chunk(seq, prompt, offset, length, offset + length == len(prompt))
     tokens: list[int] = []
     while True:
-        token = int(sample_next(logits[None], [params], [generator], [len(tokens)], eos_ids)[0])
+        row = logits[None] if state is None else masks.constrain(logits[None], [state])[0]   # [1, V]
+        token = int(sample_next(row, [params], [generator], [len(tokens)], eos_ids)[0])
         tokens.append(token)
-        if len(tokens) >= params.max_tokens or token in params.stop_token_ids or \
-                (stop_at_eos and token in eos_ids):
+        if state is not None and not state.advance(token):
+            raise ValueError(f"grammar: {state.failure}")
+        if token in params.stop_token_ids or (state is not None and state.is_stopped):
+            finish = "stop"
+        elif stop_at_eos and token in eos_ids:
+            finish = "eos"
+        if finish != "length" or len(tokens) >= params.max_tokens:
             break
         logits = runner.decode([seq], [token])[0]
     runner.release(seq)
     text = tokenizer.decode([t for t in tokens if t not in eos_ids]) if tokenizer is not None else None
-    return {"tokens": tokens, "text": text}
+    result = {"tokens": tokens, "text": text, "finish_reason": finish}
+    if state is not None:
+        result["grammar_complete"] = state.is_accepting
+    if runner.innerq is not None:
+        result.update(kv_cache_dtype=kv_cache["kv_cache_dtype"], kv_quant_state=runner.kv_quant_state)
+    return result
+
+
+def _grammar_state(model, tokenizer, grammar: dict):
+    """A compiled matcher for one generation (compiled here: there is no tick loop to keep free)."""
+    if tokenizer is None:
+        raise ValueError("a grammar needs the model's tokenizer.json")
+    compiler = GrammarCompiler.for_model(model, tokenizer, model.config.vocab_size)
+    try:
+        return compiler.new_state(compiler.compile_now(GrammarSpec.parse(grammar)))
+    finally:
+        compiler.close()
+
+
+def grammar_from_args(args: argparse.Namespace) -> dict | None:
+    """--json-schema FILE | --regex R | --choice a,b as a request's grammar dict (None without one)."""
+    given = [name for name in ("json_schema", "regex", "choice") if getattr(args, name, None) is not None]
+    if len(given) > 1:
+        raise ValueError("give at most one of --json-schema, --regex and --choice")
+    if args.json_schema is not None:
+        path = Path(args.json_schema)
+        try:
+            schema = json.loads(path.read_text(encoding="utf-8"))
+        except ValueError as exc:
+            raise ValueError(f"--json-schema {path}: not valid JSON ({exc})") from None
+        return {"kind": "json_schema", "value": schema}
+    if args.regex is not None:
+        return {"kind": "regex", "value": args.regex}
+    if args.choice is not None:
+        return {"kind": "choice", "value": [c for c in args.choice.split(",") if c]}
+    return None
 
 
 def generate_speculative(model, tokenizer, prompt: list[int], params: SamplingParams, speculation: str,
-                         num_speculative_tokens: int, stop_at_eos: bool = True) -> dict:
+                         num_speculative_tokens: int, stop_at_eos: bool = True,
+                         kv_cache: dict | None = None) -> dict:
     """As ``generate``, through the scheduler with the ``speculation`` lever set (the speculative step
     lives there); adds ``"spec": {"drafted", "accepted", "steps"}`` summed over its steps."""
     total = check_request(model, prompt, params) + num_speculative_tokens + 1  # + a last step's drafts
     levers = defaults().replace(speculation=speculation, num_speculative_tokens=num_speculative_tokens)
     rows: list = []
     weight = next(model.parameters())
+    kv_cache = kv_cache or {"kv_cache_dtype": "auto"}
     runner = ModelRunner(model, num_kv_blocks=-(-total // 16) + 1, num_ssm_slots=1, device=weight.device,
-                         dtype=weight.dtype)
+                         dtype=weight.dtype, kv_quant=kv_quant_config(kv_cache), kv_budget_bytes=budget_bytes(kv_cache))
     sched = Scheduler(runner, levers, emit=rows.append)
     refused = [r.reason for r in rows if isinstance(r, ev.LeverChange) and r.status == "rejected"]
     if refused:
@@ -126,12 +184,17 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--num-speculative-tokens", type=cli_args.bounded_int(*k.bounds), default=k.default,
                         help=f"drafts per speculative step ({k.describe_range()})")
     parser.add_argument("--json", action="store_true", help='print {"tokens": [...], "text": ...}')
+    parser.add_argument("--json-schema", default=None, metavar="FILE", help="constrain the output to this JSON schema")
+    parser.add_argument("--regex", default=None, help="constrain the output to match this regex (fully)")
+    parser.add_argument("--choice", default=None, metavar="A,B,...", help="the output is exactly one of these")
+    add_kv_cache_args(parser)
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     if (args.prompt_ids is None) == (args.prompt is None):
         raise ValueError("give exactly one of --prompt-ids and --prompt")
+    kv_cache = kv_cache_options(args)
     torch.set_grad_enabled(False)
     model, _, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
     if args.prompt is not None:
@@ -143,10 +206,14 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             min_p=args.min_p, max_tokens=args.max_tokens, seed=args.seed)
     if args.speculation is None:
-        result = generate(model, tokenizer, prompt, params, stop_at_eos=not args.ignore_eos)
+        result = generate(model, tokenizer, prompt, params, stop_at_eos=not args.ignore_eos,
+                          grammar=grammar_from_args(args), kv_cache=kv_cache)
     else:
+        if grammar_from_args(args) is not None:
+            raise ValueError("--speculation: give no --json-schema, --regex or --choice with it")
         result = generate_speculative(model, tokenizer, prompt, params, args.speculation,
-                                      args.num_speculative_tokens, stop_at_eos=not args.ignore_eos)
+                                      args.num_speculative_tokens, stop_at_eos=not args.ignore_eos,
+                                      kv_cache=kv_cache)
     if args.json:
         print(json.dumps(result))
     else:

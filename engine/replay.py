@@ -29,9 +29,12 @@ import torch
 
 from engine import replay_flips
 from engine.engine_setup import build_engine, checkpoint_dir_of, checkpoint_hash
+from engine.kv_cache_args import OPTION_KEYS, add_kv_cache_args, kv_cache_options
 from engine.model.fault import ForwardFault
 from engine.replay_compare import ReplayedRequest, ReplayedRun, compare, text_report
 from engine.replay_record import RecordedRun, ReplayInputError, load_recorded_run
+from engine.request_features import CLIENT_DISCONNECTED
+from engine.scheduler.loop import CANCELLED_PREFIX
 from telemetry import events as ev
 from telemetry.levers import LEVERS_BY_NAME, LeverValues, LeversError, defaults
 from telemetry import cli_args
@@ -47,6 +50,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--flip", action="append", default=[], metavar="NAME=VALUE",
                    help="override a lever for the whole replay (repeatable), e.g. bisect_no_mix=true")
     p.add_argument("--model", default=None, help="'tiny' or a checkpoint directory (default: the run's model)")
+    add_kv_cache_args(p, from_run=True)
     p.add_argument("--ignore-checkpoint-hash", action="store_true",
                    help="replay even when the checkpoint differs from the recorded one (warns)")
     p.set_defaults(func=run)
@@ -112,14 +116,21 @@ def resolve_model(recorded: RecordedRun, model: str | None, *, ignore_hash: bool
     return model, ["warning: " + message]
 
 
+def recorded_kv_cache(config: dict[str, Any]) -> dict[str, Any]:
+    """The KV cache options a run recorded (a run from before they existed: full precision)."""
+    return {"kv_cache_dtype": "auto", **{k: config[k] for k in OPTION_KEYS if config.get(k) is not None}}
+
+
 def _lever_values(values: dict[str, Any]) -> LeverValues:
     known = {k: v for k, v in values.items() if k in LEVERS_BY_NAME}
     return defaults().replace(**known)
 
 
 def replay_run(recorded: RecordedRun, *, model: str = "tiny", flips: dict[str, Any] | None = None,
-               device: str | None = None) -> ReplayedRun:
-    """Re-run ``recorded`` on ``model`` (checked by the caller) and collect what the engine did."""
+               device: str | None = None, kv_cache: dict[str, Any] | None = None) -> ReplayedRun:
+    """Re-run ``recorded`` on ``model`` (checked by the caller) and collect what the engine did.
+
+    ``kv_cache``: KV cache options; by default the run's own (format, byte budget, InnerQ windows)."""
     flips = dict(flips or {})
     config = recorded.config
     device = device or config.get("device") or None
@@ -138,7 +149,8 @@ def replay_run(recorded: RecordedRun, *, model: str = "tiny", flips: dict[str, A
     setup = build_engine(model, kv_blocks=config["kv_blocks"], ssm_slots=config["ssm_slots"],
                          levers=levers, seed=int(config.get("seed", 0)), device=device, dtype=dtype,
                          emit=collect,  # only the rows a comparison needs are kept
-                         fault=ForwardFault.parse(config["fault_forward"]) if config.get("fault_forward") else None)
+                         fault=ForwardFault.parse(config["fault_forward"]) if config.get("fault_forward") else None,
+                         kv_cache=kv_cache if kv_cache is not None else recorded_kv_cache(config))
     sched = setup.scheduler
     replay_flips.check_model_can_honour(flips, setup.model)
     submitted, lever_log = drive(sched, recorded, flips, cut_at_tick=None if flips else recorded.num_ticks,
@@ -158,16 +170,22 @@ def drive(sched, recorded: RecordedRun, flips: dict[str, Any], *, cut_at_tick: i
     Returns the submitted Request objects (in submission order) and the lever log."""
     pending = deque(recorded.requests)
     changes = deque(recorded.lever_changes)
+    # API clients that went away: cancelled again at the tick boundary where the engine cancelled them.
+    disconnects = deque(sorted((r for r in recorded.requests if r.status == ev.REQ_CANCELLED and
+                                r.error == f"{CANCELLED_PREFIX}{CLIENT_DISCONNECTED}"), key=lambda r: r.tick))
     lever_log: list[dict] = []
     submitted: list[Any] = []
 
     def submit(record: ev.RequestRecord) -> None:
         submitted.append(sched.submit(record.request_id, list(record.prompt_tokens), dict(record.sampling),
-                                      conversation_id=record.conversation_id))
+                                      conversation_id=record.conversation_id, features=record.features or None,
+                                      grammar=record.grammar, grammar_ready_tick=record.grammar_ready_tick))
 
     def arrivals_and_levers() -> None:
         while pending and pending[0].arrival_tick <= sched.tick:
             submit(pending.popleft())
+        while disconnects and disconnects[0].tick <= sched.tick and not flips:
+            sched.cancel(disconnects.popleft().request_id, CLIENT_DISCONNECTED)
         due: dict[str, Any] = {}
         while changes and changes[0].tick <= sched.tick:
             change = changes.popleft()
@@ -207,7 +225,8 @@ def run(args: argparse.Namespace) -> int:
     model, warnings = resolve_model(recorded, args.model, ignore_hash=args.ignore_checkpoint_hash)
     for warning in warnings:
         print(warning, file=sys.stderr)
-    replayed = replay_run(recorded, model=model, flips=flips)
+    replayed = replay_run(recorded, model=model, flips=flips,
+                          kv_cache=kv_cache_options(args, recorded_kv_cache(recorded.config)))
     report = compare(recorded, replayed)
     report["flips"] = flips
     report["run_id"] = recorded.run_id

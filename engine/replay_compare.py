@@ -24,7 +24,7 @@ from telemetry import events as ev
 
 CHUNK_FIELDS = ("tick", "request_id", "offset", "length", "cap_rule", "path", "can_mix",
                 "mix_blocker", "decode_width", "is_last")
-TICK_FIELDS = ("tick", "path", "num_prefill_tokens", "num_decode_tokens")
+TICK_FIELDS = ("tick", "path", "num_prefill_tokens", "num_decode_tokens", "num_constrained_rows")
 
 
 @dataclass

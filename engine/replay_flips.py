@@ -56,3 +56,8 @@ def cut_where_recorded(sched, cut_lengths: dict[int, int]) -> None:
         limit = cut_lengths.get(request.request_id)
         if limit is not None and request.num_generated >= limit:
             sched.cancel(request.request_id, CUT_REASON)
+    # Cut before its first token (still queued or prefilling when the recording stopped): a
+    # token 0 sampled here would already be one too many.
+    for request in [*sched.waiting, *([sched.prefilling] if sched.prefilling is not None else [])]:
+        if cut_lengths.get(request.request_id) == 0:
+            sched.cancel(request.request_id, CUT_REASON)

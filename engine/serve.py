@@ -17,11 +17,15 @@ from pathlib import Path
 
 import torch
 
+from engine.api.launch import add_arguments as add_api_arguments, start_api
 from engine.engine_setup import EngineSetup, build_engine, run_started_row
+from engine.kv_cache_args import add_kv_cache_args, kv_cache_options
 from engine.lever_watch import LeverWatcher
+from engine.model.cpu_features import DTYPE_CHOICES
+from engine.model.fault import ENV_VAR as FAULT_ENV_VAR, ForwardFault
+from engine.model.roofline import measure_rates
 from engine.run_dir_lock import lock_run_dir
 from engine.stall_watch import STALL_WAIT_S, StallWatch
-from engine.model.fault import ENV_VAR as FAULT_ENV_VAR, ForwardFault
 from engine.workload.request import RequestSpec
 from engine.workload_feed import WorkloadFeed
 from telemetry.levers import defaults, from_env
@@ -33,9 +37,12 @@ from telemetry.cli_args import bounded_float, bounded_int
 
 log = logging.getLogger("chunkscope.serve")
 IDLE_SLEEP_S = 0.02
-DONE_KEPT = 1024
+# The bandwidth probe's buffer: larger than a server CPU's last-level cache, small enough to be
+# quick (~0.1 s) at start.
+ROOFLINE_STREAM_MIB = 128
+DONE_KEPT = 1024  # ended requests held in memory by an endless server (their rows are in SQLite)
 MAX_KV_BLOCKS = 1 << 22   # 64M tokens of 16: beyond it the cache cannot be allocated anyway
-MAX_SSM_SLOTS = 4096  # ended requests held in memory by an endless server (their rows are in SQLite)
+MAX_SSM_SLOTS = 4096
 
 
 def add_parser(subparsers) -> None:
@@ -43,9 +50,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--model", default="tiny", help="'tiny' (embedded default) or a checkpoint directory")
     p.add_argument("--run-dir", required=True, help="directory for telemetry.db and levers.json")
     p.add_argument("--workload", default="synthetic",
-                   help="synthetic | multiturn | trace:PATH | bundle:PATH (default synthetic)")
+                   help="synthetic | multiturn | trace:PATH | bundle:PATH | none (API traffic only; default synthetic)")
     p.add_argument("--rate", type=bounded_float(0.0, 1e6, low_open=True), default=4.0,
                    help="arrival rate, requests/s (synthetic, multiturn)")
+    p.add_argument("--grammar-share", type=bounded_float(0.0, 1.0), default=0.0,
+                   help="synthetic: share of requests constrained by a built-in JSON schema / regex / choice")
     p.add_argument("--requests", type=cli_args.positive_int, default=None,
                    help="stop after this many requests (default: endless)")
     p.add_argument("--duration", type=cli_args.positive_float, default=None, help="stop after this many seconds")
@@ -63,7 +72,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--start", type=cli_args.non_negative_int, default=0, help="trace: first row to replay")
     p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse cached prompt prefixes (KV blocks + SSM snapshots); default on")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                   help="auto: bfloat16 where the CPU has AMX or AVX512-BF16, else float32 (recorded in the run row)")
     p.add_argument("--no-telemetry", action="store_true", help="run without writing telemetry (benchmarks)")
+    add_kv_cache_args(p)
+    add_api_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -84,12 +97,18 @@ def run(args: argparse.Namespace) -> int:
         log.warning("test fault hook %s armed: forwards carrying %s will raise", FAULT_ENV_VAR, fault.describe())
     setup = build_engine(args.model, kv_blocks=args.kv_blocks, ssm_slots=args.ssm_slots,
                          levers=base_levers, seed=args.seed, prefix_cache=args.prefix_cache,
-                         threads=args.threads, fault=fault)
+                         threads=args.threads, fault=fault, kv_cache=kv_cache_options(args), dtype=args.dtype)
     feed = WorkloadFeed.from_args(args, setup)
+    _measure_roofline(setup)  # after the workload is known good: a bad one fails at once
     writer, telemetry_error = None, None
+    api = start_api(args, setup, lambda: writer.num_dropped if writer is not None else 0)
+    if api is not None:
+        feed.describe_api(api.server.url)
     if not args.no_telemetry:
         writer, telemetry_error = _open_telemetry(db_path, setup, args, feed)
     sched = setup.scheduler
+    if api is not None:  # /metrics sees every event the writer sees
+        sched.attach_telemetry(api.metrics.tee(writer.emit if writer is not None else None))
     sched.keep_recent_done(DONE_KEPT)
     status_file = StatusReporter(run_dir)
     _log_env_levers(sched)
@@ -104,7 +123,11 @@ def run(args: argparse.Namespace) -> int:
             elapsed = time.monotonic() - t_start
             if args.duration is not None and elapsed >= args.duration:
                 break
+            if api is not None:
+                api.before_tick(sched)
             for spec in feed.due(elapsed):
+                if api is not None:
+                    spec.request_id = api.new_request_id()
                 _submit(sched, spec)
             _poll_levers(sched, watcher)
             _report_writer_health(sched, writer)
@@ -116,11 +139,18 @@ def run(args: argparse.Namespace) -> int:
                         status_file.maybe_write(_status_fields(sched, writer, telemetry_error, "serving", stall),
                                                 force=True)
                     # Nothing can run until a lever changes, a request arrives or a stop comes.
-                    watcher.wait_for_change(min(STALL_WAIT_S, max(0.0, feed.next_arrival_s() - elapsed)))
-            elif feed.is_exhausted:
+                    wait_s = min(STALL_WAIT_S, max(0.0, feed.next_arrival_s() - elapsed))
+                    if api is not None:   # an API request (or a cancel that frees room) may end the stall too
+                        api.bridge.wait(min(wait_s, IDLE_SLEEP_S))
+                    else:
+                        watcher.wait_for_change(wait_s)
+            elif feed.is_exhausted and api is None:
                 break
             else:
-                time.sleep(min(IDLE_SLEEP_S, max(0.0, feed.next_arrival_s() - elapsed)))
+                idle_s = min(IDLE_SLEEP_S, max(0.0, feed.next_arrival_s() - elapsed))
+                api.bridge.wait(idle_s) if api is not None else time.sleep(idle_s)
+            if api is not None:
+                api.after_tick(sched)
     except Exception:
         log.exception("engine loop failed")
         status = "error"
@@ -128,6 +158,9 @@ def run(args: argparse.Namespace) -> int:
     finally:
         watcher.stop()
         sched.stop()
+        if api is not None:
+            api.bridge.close(sched)
+            api.server.stop()
         if writer is not None:
             writer.close(status)
         status_file.maybe_write(_status_fields(sched, writer, telemetry_error, status, stall), force=True)
@@ -135,6 +168,17 @@ def run(args: argparse.Namespace) -> int:
         if lock is not None:
             lock.close()
     return 0
+
+
+def _measure_roofline(setup: EngineSetup) -> None:
+    """Time this machine's GEMM rate and read bandwidth once, so every tick records its roofline."""
+    started = time.perf_counter()
+    rates = measure_rates(setup.runner.dtype, stream_mib=ROOFLINE_STREAM_MIB)
+    setup.scheduler.machine_rates = rates
+    setup.engine_config["roofline_rates"] = {"gemm_gflop_s": round(rates.flops_per_s / 1e9, 2),
+                                             "read_gb_s": round(rates.bytes_per_s / 1e9, 2)}
+    log.info("roofline rates: square GEMM %.1f GFLOP/s, read %.1f GB/s (measured in %.2f s)",
+             rates.flops_per_s / 1e9, rates.bytes_per_s / 1e9, time.perf_counter() - started)
 
 
 def _open_telemetry(db_path: Path, setup: EngineSetup, args, feed) -> tuple[TelemetryWriter | None, str | None]:
@@ -181,7 +225,7 @@ def _status_fields(sched, writer, telemetry_error: str | None, state: str, stall
 
 def _submit(sched, spec: RequestSpec) -> None:
     request = sched.submit(spec.request_id, spec.prompt_tokens, spec.sampling,
-                           conversation_id=spec.conversation_id)
+                           conversation_id=spec.conversation_id, features=spec.features, grammar=spec.grammar)
     if request.status == ev.REQ_REJECTED:
         log.warning("request %d rejected: %s", spec.request_id, request.error)
 

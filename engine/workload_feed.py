@@ -25,11 +25,15 @@ class WorkloadFeed:
         kind, _, path = args.workload.partition(":")
         common = {"vocab_size": setup.config.vocab_size, "excluded_ids": setup.special_ids}
         limit = args.requests
+        if kind == "none":  # API traffic only
+            return cls(iter(()), {"kind": "none"})
         if kind == "synthetic":
             if limit is None:
                 return cls(_endless_synthetic(args, common), {"kind": "synthetic", "rate": args.rate,
-                                                              "seed": args.seed, "endless": True})
-            workload = SyntheticWorkload(num_requests=limit, rate=args.rate, seed=args.seed, **common)
+                                                              "seed": args.seed, "endless": True,
+                                                              "grammar_share": getattr(args, "grammar_share", 0.0)})
+            workload = SyntheticWorkload(num_requests=limit, rate=args.rate, seed=args.seed,
+                                         grammar_share=getattr(args, "grammar_share", 0.0), **common)
         elif kind == "multiturn":
             workload = MultiTurnWorkload(rate=args.rate, seed=args.seed, **common)
         elif kind == "trace":
@@ -42,7 +46,7 @@ class WorkloadFeed:
             from engine.workload.bundle import BundleWorkload
             workload = BundleWorkload(path)
         else:
-            raise WorkloadError(f"--workload must be synthetic, multiturn, trace:PATH or bundle:PATH, "
+            raise WorkloadError(f"--workload must be synthetic, multiturn, trace:PATH, bundle:PATH or none, "
                                 f"got {args.workload!r}")
         specs = list(workload)
         if limit is not None:
@@ -51,6 +55,10 @@ class WorkloadFeed:
 
     def describe(self) -> dict[str, Any]:
         return dict(self._description)
+
+    def describe_api(self, url: str) -> None:
+        """The run also serves API requests at ``url`` (shown with the workload)."""
+        self._description["api"] = url
 
     @property
     def is_exhausted(self) -> bool:
@@ -69,8 +77,8 @@ def _endless_synthetic(args: Any, common: dict[str, Any]) -> Iterator[RequestSpe
     """Epoch after epoch of a seeded synthetic workload, shifted in time and request id."""
     epoch, t_offset = 0, 0.0
     while True:
-        specs = SyntheticWorkload(num_requests=EPOCH_REQUESTS, rate=args.rate,
-                                  seed=args.seed * 7919 + epoch, **common).requests()
+        specs = SyntheticWorkload(num_requests=EPOCH_REQUESTS, rate=args.rate, seed=args.seed * 7919 + epoch,
+                                  grammar_share=getattr(args, "grammar_share", 0.0), **common).requests()
         for spec in specs:
             spec.request_id += epoch * EPOCH_REQUESTS
             spec.arrival_s += t_offset

@@ -69,8 +69,7 @@ def _write_workload(db_path: Path, dest: Path) -> int:
     conn.row_factory = sqlite3.Row
     num_rows = 0
     try:
-        rows = conn.execute("SELECT request_id, arrival_tick, arrival_ns, t_ns, prompt_tokens, sampling, "
-                            "conversation_id FROM requests ORDER BY coalesce(arrival_tick, tick), request_id")
+        rows = conn.execute("SELECT * FROM requests ORDER BY coalesce(arrival_tick, tick), request_id")
         with dest.open("w", encoding="utf-8") as handle:
             for r in rows:
                 sampling = json.loads(r["sampling"] or "{}")
@@ -79,7 +78,11 @@ def _write_workload(db_path: Path, dest: Path) -> int:
                     "request_id": r["request_id"], "arrival_tick": r["arrival_tick"], "arrival_ns": arrival_ns,
                     "arrival_s": arrival_ns / 1e9, "prompt_tokens": json.loads(r["prompt_tokens"] or "[]"),
                     "sampling": sampling, "seed": sampling.get("seed"),
-                    "conversation_id": r["conversation_id"], "turn": None}, separators=(",", ":")) + "\n")
+                    "conversation_id": r["conversation_id"], "turn": None,
+                    # stores written before features / grammars have no such columns
+                    "features": json.loads(r["features"]) if "features" in r.keys() and r["features"] else None,
+                    **({"grammar": json.loads(r["grammar"])} if "grammar" in r.keys() and r["grammar"] else {}),
+                }, separators=(",", ":")) + "\n")
                 num_rows += 1
     finally:
         conn.close()

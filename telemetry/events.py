@@ -67,6 +67,11 @@ COMPUTED_OUTCOMES = (OUTCOME_OK, OUTCOME_MIXED_KV_FALLBACK, OUTCOME_FAILED_FIRST
 
 # ``GenericEvent.kind`` of a failed forward: one row per failure, naming the requests it ended.
 EVENT_FORWARD_FAILED = "forward_failed"
+# ``GenericEvent.kind`` of an InnerQ calibration state change (detail: old, new, tokens seen, scales).
+EVENT_KV_QUANT_STATE = "kv_quant_state"
+# KV cache quantization states a chunk row can carry (``ChunkDecision.kv_quant_state``):
+# off = full precision (--kv-cache-dtype auto); InnerQ moves calibrating -> ready -> applied.
+KV_QUANT_STATES = ("off", "calibrating", "ready", "applied")
 
 
 @dataclass
@@ -118,6 +123,16 @@ class Tick(Event):
     ssm_slots_used: int = 0
     ssm_slots_total: int = 0
     num_finished: int = 0               # requests that finished this tick
+    kv_bytes_used: int | None = None    # bytes of KV blocks in use (quantized blocks at their size)
+    kv_bytes_total: int | None = None   # the KV byte budget
+    kv_tokens_used: int | None = None   # token slots of the blocks in use (blocks x block size)
+    kv_tokens_total: int | None = None  # token slots in use + what the free bytes hold as new blocks
+    # The least time this machine could take for the tick's forwards (max of FLOPs at the GEMM
+    # rate and bytes at the read bandwidth, engine/model/roofline.py); roofline_ns / duration_ns
+    # is the share of the machine the tick reached. None when the engine measured no rates.
+    roofline_ns: int | None = None
+    num_constrained_rows: int = 0       # sampled rows a grammar mask constrained this tick
+    grammar_mask_ns: int = 0            # time spent filling and applying grammar masks this tick
 
 
 @dataclass
@@ -139,6 +154,8 @@ class ChunkDecision(Event):
     duration_ns: int = 0
     outcome: str = OUTCOME_OK           # one of CHUNK_OUTCOMES
     num_preempted: int = 0              # victims this chunk needed
+    kv_quant_state: str | None = None   # one of KV_QUANT_STATES: what the poll before this chunk left
+    first_token_rules: str | None = None  # last chunk: the first-token rules that fired, comma-separated
 
 
 @dataclass
@@ -161,6 +178,7 @@ class Preemption(Event):
     policy: str = "most_blocks"
     prefill_request_id: int | None = None
     num_remaining: int = 0
+    num_grammar_skipped: int = 0        # grammar holders passed over (never victims)
 
 
 @dataclass
@@ -185,6 +203,13 @@ class RequestRecord(Event):
     prompt_tokens: list[int] = field(default_factory=list)
     output_tokens: list[int] = field(default_factory=list)
     conversation_id: int | None = None
+    source: str | None = None           # api / workload
+    features: dict[str, Any] = field(default_factory=dict)  # thinking, tool call, stop strings, logprobs
+    first_token_rules: str | None = None  # the first-token rules that fired, comma-separated
+    grammar: dict[str, Any] | None = None   # {"kind", "value"[, "after_think"]}: what the output obeys
+    grammar_kind: str | None = None         # json_object / json_schema / regex / choice / lark
+    grammar_ready_tick: int | None = None   # tick its compile was seen done (a replay waits for it)
+    grammar_valid: bool | None = None       # the ended output is a complete sentence of its grammar
 
 
 @dataclass

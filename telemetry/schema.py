@@ -216,6 +216,31 @@ def _create_indexes(db: sqlite_utils.Database) -> None:
                                    index_name=f"idx_{table}_{'_'.join(columns)}")
 
 
+# Columns added after the first schema, by the migration that added them. A store created since
+# has them from its CREATE TABLE; an older store gets them here (nullable: old rows read NULL).
+ADDED_COLUMNS: dict[str, dict[str, dict[str, type]]] = {
+    # InnerQ: the calibration state each chunk saw; KV bytes per tick (the byte-budgeted cache).
+    "0004_kv_quant": {"chunks": {"kv_quant_state": str},
+                      "ticks": {"kv_bytes_used": int, "kv_bytes_total": int, "kv_tokens_used": int,
+                                "kv_tokens_total": int}},
+}
+
+
+def _added_columns_migration(name: str, tables: dict[str, dict[str, type]]) -> None:
+    def add(db: sqlite_utils.Database) -> None:
+        for table, columns in tables.items():
+            existing = set(db[table].columns_dict)
+            for column, col_type in columns.items():
+                if column not in existing:
+                    db[table].add_column(column, col_type)
+    add.__name__ = f"add_{name}"
+    migrations(name=name)(add)
+
+
+for _name, _tables in ADDED_COLUMNS.items():
+    _added_columns_migration(_name, _tables)
+
+
 def _add_missing_columns(db: sqlite_utils.Database) -> None:
     """Additive evolution: a field added to events.py becomes a nullable column."""
     wanted = {RUNS_TABLE: {**columns_for(ev.RunStarted), **RUN_EXTRA_COLUMNS}}

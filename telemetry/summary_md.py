@@ -53,6 +53,9 @@ def build_summary_md(db_path: str | Path, run_id: int, manifest: dict[str, Any])
     try:
         errors = [dict(r) for r in conn.execute(_ERRORS_SQL)]
         levers = [dict(r) for r in conn.execute("SELECT * FROM lever_changes ORDER BY tick, id")]
+        sources = [dict(r) for r in conn.execute(
+            "SELECT coalesce(source, 'workload') AS source, status, count(*) AS n FROM requests "
+            "GROUP BY 1, 2 ORDER BY 1, 2")]
         top = [dict(r) for r in conn.execute(
             "SELECT * FROM preemptions ORDER BY blocks_freed DESC, tick, id LIMIT ?", [TOP_PREEMPTIONS])]
         most_preempted = [dict(r) for r in conn.execute(
@@ -68,6 +71,9 @@ def build_summary_md(db_path: str | Path, run_id: int, manifest: dict[str, Any])
         lines += [f"Time window: {time_range.get('since_ns')} .. {time_range.get('until_ns')} ns "
                   "(run-relative); counts below cover the window only.", ""]
     lines += ["## The run in numbers", ""] + _table(["metric", "value"], [[k, v] for k, v in summary.items()])
+    lines += ["", "## Requests by source (api = HTTP clients, workload = the engine's own)", ""]
+    lines += _table(["source", "status", "requests"], [[r["source"], r["status"], r["n"]] for r in sources]) \
+        if sources else ["No requests."]
     lines += ["", f"## Errors ({sum(e['n'] for e in errors)})", ""]
     lines += _table(["source", "message", "count", "request ids", "first at (ms)"],
                     [[e["source"], e["message"], e["n"], _ids(e["ids"]), (e["first_ns"] or 0) / 1e6]

@@ -63,8 +63,8 @@ def children_of(pid: int) -> list[int]:
 def test_run_sh_serves_live_engine_and_dashboard_and_stops_both(tmp_path):
     if not (ROOT / ".venv" / "bin" / "python").exists():
         pytest.skip("./run.sh needs the project's .venv (./run.sh setup creates it)")
-    port, run_dir = free_port(), tmp_path / "run"
-    env = {**os.environ, "PORT": str(port), "RUN_DIR": str(run_dir)}
+    port, api_port, run_dir = free_port(), free_port(), tmp_path / "run"
+    env = {**os.environ, "PORT": str(port), "API_PORT": str(api_port), "RUN_DIR": str(run_dir)}
     proc = subprocess.Popen(["./run.sh"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     try:
@@ -75,6 +75,10 @@ def test_run_sh_serves_live_engine_and_dashboard_and_stops_both(tmp_path):
         wait_until(lambda: int(run_status(db)[8:]) > int(first[8:]), "ticks still advancing", proc)
         with socket.socket() as probe:  # bound to loopback only
             assert probe.connect_ex(("127.0.0.1", port)) == 0
+        import httpx   # the engine's API answers beside the synthetic workload
+        reply = httpx.post(f"http://127.0.0.1:{api_port}/v1/completions", timeout=30,
+                           json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 2
         children = children_of(proc.pid)
         assert len(children) == 2, children
         proc.send_signal(signal.SIGTERM)

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import charts, context, data, engine_panel, heartbeat_view, live_timeline, prefix_panel, spec_panel
+from dashboard import (api_panel, charts, context, data, engine_panel, heartbeat_view, kv_gauges, live_timeline,
+                       prefix_panel, spec_panel)
 from dashboard.context import RunContext
 from dashboard.db import DataUnavailable
 from dashboard.queries_live import MAX_STREAM_EVENTS
@@ -22,17 +23,22 @@ window_s = st.select_slider("timeline window (s)", WINDOWS_S, value=10, key="liv
 def counters(c: dict, now: heartbeat_view.LiveState | None, is_running: bool) -> None:
     """The tick row's counters, or the heartbeat's when the ticks stopped (blocked, idle)."""
     shown = {**c, **now.counters} if now is not None else c
-    cols = st.columns([1, 1.3, 1, 1.5, 1.2, 1.2, 1.2, 1.3])    # room for "123 / 512" and 6-digit ticks
+    # room for "123 / 512", "1,234 / 8,192" and 6-digit ticks
+    cols = st.columns([1, 1.3, 1, 1.3, 1.6, 1.4, 1.2, 1.2, 1.2, 1.3])
     cols[0].metric("waiting", shown["num_waiting"])
     cols[1].metric("active (decoding)", shown["num_active"])
     cols[2].metric("prefilling", shown["num_prefilling"])
     cols[3].metric("KV blocks", f"{shown['kv_blocks_used']} / {shown['kv_blocks_total']}")
-    cols[4].metric("SSM slots", f"{shown['ssm_slots_used']} / {shown['ssm_slots_total']}")
+    tokens, size = kv_gauges.kv_gauges(c)   # from the tick row (the heartbeat carries blocks only)
+    cols[4].metric("KV tokens", tokens, help="token slots of the blocks in use / in use + what the free bytes "
+                                             "hold as new (full-precision) blocks")
+    cols[5].metric("KV MiB", size, help="bytes of the blocks in use / the KV byte budget")
+    cols[6].metric("SSM slots", f"{shown['ssm_slots_used']} / {shown['ssm_slots_total']}")
     # A blocked or ended engine computes nothing: its last window's rate would be a stale claim.
     moving = is_running and now is None
-    cols[5].metric("decode tok/s", f"{shown['decode_tok_s']:.1f}" if moving else "0.0" if is_running else "—")
-    cols[6].metric("prefill tok/s", f"{shown['prefill_tok_s']:.1f}" if moving else "0.0" if is_running else "—")
-    cols[7].metric("tick", shown["tick"])
+    cols[7].metric("decode tok/s", f"{shown['decode_tok_s']:.1f}" if moving else "0.0" if is_running else "—")
+    cols[8].metric("prefill tok/s", f"{shown['prefill_tok_s']:.1f}" if moving else "0.0" if is_running else "—")
+    cols[9].metric("tick", shown["tick"])
     if not is_running:
         st.caption("The run has ended: the counters are from its last tick; it computes nothing now.")
 
@@ -58,18 +64,21 @@ def render(ctx: RunContext) -> None:
     win = data.timeline_window(ctx.db, ctx.run_id, ctx.version, float(window_s))
     cap = MAX_STREAM_EVENTS if win.stream_events_capped else None
     fig = charts.timeline_figure(win.forwards, win.stream_events, win.links, win.preemptions,
-                                 win.lever_changes, (win.start_ms, win.end_ms), stream_events_cap=cap)
+                                 win.lever_changes, (win.start_ms, win.end_ms), stream_events_cap=cap,
+                                 kv_quant_changes=win.kv_quant_changes)
     live_timeline.render(fig, key="live_timeline", revision=end_ns)   # stays mounted: no blank frame, zoom kept
     mode = "bucketed into WebGL segments" if win.is_bucketed else "one bar per forward"
     st.caption(f"last {window_s} s of run {ctx.run_id} ({ctx.run.get('status')}): {win.num_forwards} forwards, "
                f"{mode}; {len(win.stream_events)} stream events{' (capped: newest only)' if cap else ''}, "
                f"{len(win.preemptions)} preemptions, "
-               f"{len(win.lever_changes)} lever changes")
+               f"{len(win.lever_changes)} lever changes"
+               + kv_gauges.kv_quant_caption(data.kv_quant_status(ctx.db, ctx.run_id, ctx.version)))
     latency = data.latency_percentiles(ctx.db, ctx.run_id, ctx.version)
     left, right = st.columns([2, 3])
     left.dataframe(latency.drop(columns="scope").round(2), hide_index=True, key="live_latency_table")
     left.caption(f"latency over the {latency['scope'].iloc[0]}")
     right.plotly_chart(charts.latency_figure(latency), key="live_latency", width="stretch")
+    api_panel.render(ctx, end_ns, window_s)
     prefix_panel.render(ctx)
     spec_panel.render(ctx, window_s)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import charts, context, data
+from dashboard import charts, context, data, grammar_panel
 from dashboard.context import RunContext
 from dashboard.lifecycle import request_phases
 from dashboard.queries_requests import MAX_LISTED, BadSearch, parse_search
@@ -12,8 +12,9 @@ from telemetry import events as ev
 STATUSES = ev.REQUEST_STATUSES
 
 # prefix columns next to the prompt: a hybrid model's miss reason is the first thing to read
-TABLE_COLUMNS = ["request_id", "status", "prompt_len", "prefix_hit_tokens", "prefix_hit_ratio", "prefix_miss_reason",
-                 "output_len", "ttft_ms", "e2e_ms", "finish_reason", "error"]
+TABLE_COLUMNS = ["request_id", "source", "status", "prompt_len", "prefix_hit_tokens", "prefix_hit_ratio",
+                 "prefix_miss_reason",
+                 "output_len", "ttft_ms", "e2e_ms", "finish_reason", "first_token_rules", "grammar", "error"]
 
 st.title("Requests")
 
@@ -42,6 +43,7 @@ def render(ctx: RunContext) -> None:
             ttft_ms=(found["first_token_ns"] - found["arrival_ns"]) / 1e6,
             e2e_ms=(found["finished_ns"] - found["arrival_ns"]) / 1e6,
             prefix_hit_ratio=(found["prefix_hit_tokens"] / found["prompt_len"].where(found["prompt_len"] > 0)),
+            grammar=grammar_marks(found),
         )[TABLE_COLUMNS]
         st.dataframe(table, hide_index=True, key="requests_table", column_config={
             "ttft_ms": st.column_config.NumberColumn("TTFT (ms)", format="%.1f"),
@@ -49,11 +51,25 @@ def render(ctx: RunContext) -> None:
             "prefix_hit_ratio": st.column_config.NumberColumn("prefix hit", format="percent"),
             "prefix_hit_tokens": st.column_config.NumberColumn("hit tokens"),
             "prefix_miss_reason": st.column_config.TextColumn("prefix miss reason", width="large")})
+    grammar_panel.render(ctx)
     st.subheader(f"Errors and rejections ({len(errors)})")
     if errors.empty:
         st.success("No request ended with an error.")
     else:
         st.dataframe(errors, hide_index=True, key="requests_errors")
+
+
+def grammar_marks(found):
+    """'json_schema ✓' / 'regex ✗' / 'choice …' (in flight) per row; empty for requests without a grammar."""
+    if "grammar_kind" not in found:
+        return ""
+    return [mark(kind, valid) for kind, valid in zip(found["grammar_kind"], found["grammar_valid"])]
+
+
+def mark(kind, valid) -> str:
+    if not isinstance(kind, str) or not kind:
+        return ""
+    return kind + {1: " ✓", 0: " ✗"}.get(None if valid is None or valid != valid else int(valid), " …")
 
 
 context.run_page(render)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dashboard import bundle_panel, charts, context, data
+from dashboard import bundle_panel, charts, context, data, queries_runs
 from dashboard.context import RunContext
 
 st.title("Runs")
@@ -66,6 +66,17 @@ def render(ctx: RunContext) -> None:
     long = latency.reset_index(names="metric").melt(id_vars="metric", var_name="run", value_name="value_ms")
     long["metric"] = long["metric"].str.removesuffix(" ms")
     st.plotly_chart(charts.runs_compare_figure(long.dropna()), key="runs_latency", width="stretch")
+    st.subheader("Roofline share per path")
+    st.caption("Each forward's roofline (the least time this machine allows: FLOPs at its measured GEMM rate or "
+               f"bytes at its read bandwidth, whichever is longer) over its measured time; newest "
+               f"{queries_runs.ROOFLINE_RECENT_TICKS:,} forwards of each run.")
+    roofline = pd.concat([data.roofline_by_path(ctx.db, run_id, _version(ctx, run_id)).assign(run=f"run {run_id}")
+                          for run_id in dict.fromkeys([a, b])], ignore_index=True)
+    if roofline.empty:
+        st.info("No roofline recorded for these runs (the engine records one per tick when it measured "
+                "the machine's rates at start).")
+    else:
+        st.dataframe(roofline.set_index(["run", "path"]).map(_cell), key="runs_roofline")
     st.subheader("Lever settings at the first tick")
     st.caption("Defaults and environment, with the levers file the engine applied at tick 0; "
                "later changes are listed beside them.")

@@ -146,6 +146,7 @@ class BlockManager:
         if block_id in self._evictable:
             del self._evictable[block_id]
             self._free_ids.append(block_id)
+            self._contents_dropped(block_id, was_evictable=True)
 
     def is_retained(self, block_id: int) -> bool:
         return block_id in self._retained
@@ -185,6 +186,7 @@ class BlockManager:
                 raise ValueError(f"block {block_id} is free; allocate it instead of increfing")
             del self._evictable[block_id]
             self._num_used += 1
+            self._revived(block_id)
         self._ref_counts[block_id] += 1
 
     def decref(self, block_id: int) -> bool:
@@ -197,8 +199,10 @@ class BlockManager:
         self._num_used -= 1
         if block_id in self._retained:
             self._evictable[block_id] = None  # newest at the end
+            self._became_evictable(block_id)
         else:
             self._free_ids.append(block_id)
+            self._contents_dropped(block_id, was_evictable=False)
         return True
 
     def touch(self, block_id: int) -> None:
@@ -211,12 +215,27 @@ class BlockManager:
             return self._free_ids.popleft()
         # Callers checked num_free, and free + evictable >= num_blocks - used
         # >= num_usable - used, so an evictable block exists here.
+        return self._evict_lru()
+
+    def _evict_lru(self) -> int:
+        """Reclaim the least recently used evictable block; returns its id (not in the free list)."""
         block_id, _ = self._evictable.popitem(last=False)
         self._retained.discard(block_id)
         self.num_evictions += 1
         if self.on_evict is not None:
             self.on_evict(block_id)
+        self._contents_dropped(block_id, was_evictable=True)
         return block_id
+
+    # ---- hooks for a manager that also accounts bytes (engine/cache/kv_budget.py) -------------
+    def _contents_dropped(self, block_id: int, *, was_evictable: bool) -> None:
+        """``block_id`` no longer holds contents (gone to the free list, or evicted for reuse)."""
+
+    def _became_evictable(self, block_id: int) -> None:
+        """``block_id`` lost its last reference but keeps its contents for the prefix cache."""
+
+    def _revived(self, block_id: int) -> None:
+        """An evictable ``block_id`` is in use again."""
 
     def _claim_owner(self, seq: SequenceState) -> None:
         owner = self._owners.get(seq.request_id)
@@ -250,4 +269,7 @@ class BlockManager:
         assert len(free_ids) + len(evictable) + len(in_use) == self.num_blocks, "a block is lost"
         assert evictable <= self._retained, "an evictable block is not retained"
         assert self._num_used == len(in_use), f"num_used {self._num_used} != {len(in_use)} in use"
+        self._check_capacity()
+
+    def _check_capacity(self) -> None:
         assert self.num_used + self.num_free == max(self.num_usable, self.num_used)

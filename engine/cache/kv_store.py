@@ -21,6 +21,13 @@ class KVStore:
         self.keys = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
         self.values = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
 
+    def begin_forward(self, num_prefill_rows: int) -> None:
+        """Nothing to note: a full-precision store does not calibrate (see ``QuantKVStore``)."""
+
+    def scale_query(self, layer_id: int, q: torch.Tensor) -> torch.Tensor:
+        """Queries as they are: full-precision keys are stored unnormalized."""
+        return q
+
     def write(self, layer_id: int, kv_slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """kv_slots: [T]; key/value: [T, num_kv_heads, head_dim]."""
         kv_heads, head_dim = key.shape[1:]

@@ -55,6 +55,7 @@ class GatedAttention(nn.Module):
         q_gate, k, v = self._project(x)
         q, gate = q_gate.view(tokens, self.num_heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
         q = rotary.apply(self.q_norm(q), cos, sin)  # [T, H, D]
+        q = kv.scale_query(self.layer_id, q)  # InnerQ's key normalization, folded into the query
         k = rotary.apply(self.k_norm(k.view(tokens, self.num_kv_heads, self.head_dim)), cos, sin)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         kv.write(self.layer_id, batch.kv_slots, k, v)

@@ -14,7 +14,8 @@ PACKED_MIN_ROWS = 128
 
 # Weights smaller than this (elements) stay on MKL: oneDNN's per-call overhead loses on short
 # GEMMs (the tiny model's 128-wide projections prefilled 3-14% slower prepacked).
-PACKED_MIN_WEIGHT = 1 << 18
+PACKED_MIN_WEIGHT = int(os.environ.get("CHUNKSCOPE_PREPACK_MIN_WEIGHT", 1 << 18))
+# (The override lets bench/soak.py drive the tiny model through the prepacked paths.)
 
 # oneDNN builds a primitive per input shape, and a server sees a new row count almost every
 # tick (chunk length + decode rows): unpadded, that grew resident memory without bound (+470 MB
@@ -26,15 +27,32 @@ PACKED_STEPS_PER_OCTAVE = 8
 # On unless CHUNKSCOPE_ONEDNN_PREPACK=0: with bucketed row counts the memory stays bounded.
 PREPACK_ENABLED = os.environ.get("CHUNKSCOPE_ONEDNN_PREPACK", "1") != "0"
 
+# Decode-size inputs (1 to PACKED_MIN_ROWS-1 rows) use the same prepacked copy: skinny calls to
+# MKL's sgemm repack the weight on every call. On an AVX2 EPYC, 1 thread, 30 weights of
+# 3072x576 (bench/decode_gemm.py): batch 8 streamed 4.0 GB/s through sgemm, 4.7 through MKL's
+# packed sgemm and 6.6 through oneDNN's packed copy (batch 32: 2.4 / 2.7 / 3.2; batch 1:
+# 11.0 / 16.7 / 13.4). oneDNN wins where decode spends its time and needs no second copy.
+# Off with CHUNKSCOPE_DECODE_PREPACK=0.
+DECODE_PREPACK_ENABLED = os.environ.get("CHUNKSCOPE_DECODE_PREPACK", "1") != "0"
+
 
 def _can_prepack(weight: torch.Tensor) -> bool:
-    return (PREPACK_ENABLED and weight.device.type == "cpu" and weight.dtype == torch.float32
-            and weight.numel() >= PACKED_MIN_WEIGHT
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    """fp32 CPU weights; bf16 ones too where oneDNN runs bf16 natively (AMX / AVX512-BF16 / AVX-NE-CONVERT)."""
+    if not (PREPACK_ENABLED and weight.device.type == "cpu" and weight.numel() >= PACKED_MIN_WEIGHT
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    if weight.dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return weight.dtype == torch.float32
+
+
+def min_packed_rows() -> int:
+    """The fewest input rows that take a prepacked weight (1 with decode prepacking on)."""
+    return 1 if DECODE_PREPACK_ENABLED else PACKED_MIN_ROWS
 
 
 def packed_rows(rows: int) -> int:
-    """The bucketed row count a prepacked GEMM runs for ``rows`` (>= PACKED_MIN_ROWS) input rows."""
+    """The bucketed row count a prepacked GEMM runs for ``rows`` input rows (exact below 16)."""
     step = max(1, (1 << (rows.bit_length() - 1)) // PACKED_STEPS_PER_OCTAVE)
     return -(-rows // step) * step
 
@@ -42,9 +60,9 @@ def packed_rows(rows: int) -> int:
 class FusedLinear:
     """``y = x @ weight^T + bias`` over a fixed weight, with a oneDNN-prepacked copy for many-row inputs.
 
-    The copy is made once (``weight`` [out, in] float32 on CPU, at least PACKED_MIN_WEIGHT
-    elements); inputs of at least ``PACKED_MIN_ROWS`` rows (prefill chunks) use it, their row
-    count padded up to ``packed_rows``; fewer rows (decode) keep MKL's GEMV/GEMM.
+    The copy is made once (``weight`` [out, in] on CPU, float32 or bf16 per ``_can_prepack``, at
+    least PACKED_MIN_WEIGHT elements); inputs of at least ``min_packed_rows()`` rows use it (prefill chunks, and decode
+    batches unless decode prepacking is off), their row count padded up to ``packed_rows``.
     On other devices or dtypes it is a plain ``F.linear``.
     """
 
@@ -57,8 +75,8 @@ class FusedLinear:
 
     def can_pack(self, x: torch.Tensor) -> bool:
         """Whether ``x`` [T, in] takes the prepacked path."""
-        return (self.packed is not None and x.dim() == 2 and x.shape[0] >= PACKED_MIN_ROWS
-                and x.dtype == torch.float32)
+        return (self.packed is not None and x.dim() == 2 and x.shape[0] >= min_packed_rows()
+                and x.dtype == self.weight.dtype)
 
     def packed_call(self, x: torch.Tensor, post_op: str = "none", other: torch.Tensor | None = None) -> torch.Tensor:
         """oneDNN GEMM on already bucketed rows (``pad_rows``): [P, in] -> [P, out].

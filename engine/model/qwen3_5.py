@@ -10,7 +10,7 @@ from engine.model.attention import GatedAttention
 from engine.model.batch import ForwardBatch
 from engine.model.config import ModelConfig
 from engine.model.gdn import GatedDeltaNet
-from engine.model.layers import PartialRotary, SwiGLU, ZeroCenteredRMSNorm
+from engine.model.layers import FusedLinear, PartialRotary, SwiGLU, ZeroCenteredRMSNorm
 
 
 class DecoderLayer(nn.Module):
@@ -67,6 +67,7 @@ class Qwen35ForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = PartialRotary(config.rotary_dim, config.rope_theta)
+        self.fused_lm_head: FusedLinear | None = None  # prepacked LM head, set by fuse()
         # Special token ids, filled by the loader from the tokenizer when it has them.
         self.eos_token_id: int | None = config.eos_token_id
         self.think_start_id: int | None = None
@@ -114,6 +115,8 @@ class Qwen35ForCausalLM(nn.Module):
         self.model.norm.fuse()
         if self.mtp is not None:
             self.mtp.fuse()
+        # The LM head is the largest single GEMM (vocab x hidden) and runs at decode width.
+        self.fused_lm_head = FusedLinear(self.lm_head.weight)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVStore, pool: SSMPool,
@@ -134,7 +137,9 @@ class Qwen35ForCausalLM(nn.Module):
         if return_hidden:
             hidden = self.model.norm(last(x, batch, kv, pool, self.rotary, cos, sin))  # [T, hidden]
             rows = hidden if logits_rows is None else hidden.index_select(0, logits_rows)
-            return self.lm_head(rows).float(), hidden
+            head = self.fused_lm_head if self.fused_lm_head is not None else self.lm_head
+            return head(rows).float(), hidden
         # Rows without logits stop after the last mixer: their MLP output would feed nothing.
         x = last(x, batch, kv, pool, self.rotary, cos, sin, keep_rows=logits_rows)  # [R, hidden]
-        return self.lm_head(self.model.norm(x)).float()
+        head = self.fused_lm_head if self.fused_lm_head is not None else self.lm_head
+        return head(self.model.norm(x)).float()

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import torch
 
+from engine.cache.innerq import InnerQCache
 from engine.cache.kv import BlockManager
+from engine.cache.kv_calibration import STATE_OFF
+from engine.cache.kv_quant import InnerQConfig, fp_block_bytes
 from engine.cache.kv_store import KVStore
 from engine.cache.ssm_pool import SSMPool, SSMSnapshot
 from engine.model.batch import ForwardBatch, build_batch
@@ -11,6 +14,7 @@ from engine.model.fault import KIND_DECODE, KIND_MIXED, KIND_PREFILL, ForwardFau
 from engine.model import mtp_feed
 from engine.model.gdn import SSMCapture
 from engine.model.qwen3_5 import Qwen35ForCausalLM
+from engine.model.roofline import ForwardCost, forward_cost
 from engine.sequence import SequenceState
 
 
@@ -26,15 +30,33 @@ class ModelRunner:
 
     def __init__(self, model: Qwen35ForCausalLM, num_kv_blocks: int, num_ssm_slots: int,
                  block_size: int = 16, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 fault: ForwardFault | None = None):
+                 fault: ForwardFault | None = None, kv_quant: InnerQConfig | None = None,
+                 kv_budget_bytes: int | None = None):
         self.model = model
         self.config = config = model.config
         self.device = torch.device(device)
         self.dtype = dtype
-        self.block_manager = BlockManager(num_kv_blocks, block_size)
         # The MTP layers (if any) are K/V layers too: same blocks, same block tables.
-        self.kv_store = KVStore(model.kv_layer_ids, num_kv_blocks, block_size,
-                                config.num_key_value_heads, config.head_dim, dtype=dtype, device=self.device)
+        layers, kv_heads, head_dim = list(model.kv_layer_ids), config.num_key_value_heads, config.head_dim
+        # Bytes of one full-precision block: ``kv_budget_bytes`` (--kv-cache-mb) is counted in them,
+        # and without it an InnerQ cache gets the bytes ``num_kv_blocks`` full-precision blocks take.
+        self.fp_block_bytes = fp_block_bytes(len(layers), block_size, kv_heads, head_dim, dtype)
+        self.innerq: InnerQCache | None = None
+        if kv_quant is None:
+            if kv_budget_bytes is not None:
+                num_kv_blocks = kv_budget_bytes // self.fp_block_bytes
+                if num_kv_blocks < 1:
+                    raise ValueError(f"--kv-cache-mb: {kv_budget_bytes} bytes hold no KV block "
+                                     f"({self.fp_block_bytes} bytes each)")
+            self.block_manager = BlockManager(num_kv_blocks, block_size)
+            self.kv_store = KVStore(layers, num_kv_blocks, block_size, kv_heads, head_dim, dtype=dtype,
+                                    device=self.device)
+        else:
+            budget = kv_budget_bytes if kv_budget_bytes is not None else num_kv_blocks * self.fp_block_bytes
+            self.innerq = InnerQCache.build(layers, budget, block_size, kv_heads, head_dim, kv_quant, dtype,
+                                            self.device, calib_layer_ids=list(config.full_attention_layers))
+            self.block_manager = self.innerq.manager
+            self.kv_store = self.innerq.store
         self.ssm_pool = SSMPool(num_ssm_slots, len(config.linear_attention_layers), config.conv_dim,
                                 config.linear_conv_kernel_dim, config.linear_num_value_heads,
                                 config.linear_key_head_dim, config.linear_value_head_dim, device=self.device)
@@ -43,6 +65,8 @@ class ModelRunner:
         self.fault = fault
         # Keep the MTP layer's K/V in step with every forward (on while speculation = mtp).
         self.mtp_keep_up = False
+        # FLOPs and bytes of the forwards run since the last ``take_forward_cost`` (the tick's roofline).
+        self._forward_cost = ForwardCost(0.0, 0.0)
 
     # ---- properties the scheduler reads ----------------------------------------------
     @property
@@ -60,6 +84,28 @@ class ModelRunner:
     @property
     def vocab_size(self) -> int:
         return self.config.vocab_size
+
+    # ---- KV cache format (InnerQ) ----------------------------------------------------------
+    @property
+    def kv_quant_state(self) -> str:
+        """off (full precision), or the InnerQ calibration state: calibrating / ready / applied."""
+        return self.innerq.state if self.innerq is not None else STATE_OFF
+
+    def poll_kv_quant(self) -> dict | None:
+        """The reference's ``poll_innerq`` (start of every prefill chunk): a state change, or None."""
+        return self.innerq.poll() if self.innerq is not None else None
+
+    @property
+    def kv_bytes_used(self) -> int:
+        if self.innerq is not None:
+            return self.innerq.manager.bytes_used
+        return self.block_manager.num_used * self.fp_block_bytes
+
+    @property
+    def kv_bytes_total(self) -> int:
+        if self.innerq is not None:
+            return self.innerq.manager.budget_bytes
+        return self.block_manager.num_blocks * self.fp_block_bytes
 
     # ---- sequence lifetime ------------------------------------------------------------
     def admit(self, seq: SequenceState) -> None:
@@ -119,6 +165,7 @@ class ModelRunner:
         for seq in decode_seqs:
             self._slot(seq)
         grown = self._allocate_all(decode_seqs, prefill_seq, length)
+        moved = [(seq, seq.num_cached_tokens) for seq in decode_seqs + ([prefill_seq] if prefill_seq else [])]
 
         prefill = None
         if prefill_seq is not None:
@@ -134,6 +181,8 @@ class ModelRunner:
         if prefill_seq is not None and is_last:
             rows.insert(0, len(chunk) - 1)
         logits = self._call_model(batch, rows, grown, prefill_seq, decode_seqs)  # [R, V]
+        self.note_forward(len(chunk), prefill_seq.num_cached_tokens if prefill_seq is not None else 0,
+                          [seq.num_cached_tokens + 1 for seq in decode_seqs], len(rows))
 
         if capture is not None:
             self.last_capture = self._capture_snapshot(capture, prefill_seq)
@@ -141,14 +190,29 @@ class ModelRunner:
             prefill_seq.num_cached_tokens += length
         for seq in decode_seqs:
             seq.num_cached_tokens += 1
+        if self.innerq is not None:
+            self.innerq.after_forward(moved)  # blocks that left the windows become 4/8-bit
         prefill_logits = logits[0] if prefill_seq is not None and is_last else None
         return prefill_logits, logits[len(rows) - len(decode_seqs):]
+
+    # ---- roofline accounting ----------------------------------------------------------------
+    def note_forward(self, prefill_tokens: int, prefill_start: int, decode_contexts: list[int],
+                     logits_rows: int) -> None:
+        """Add one forward's FLOPs and bytes (``roofline.forward_cost``) to the running total."""
+        self._forward_cost = self._forward_cost + forward_cost(
+            self.config, self.dtype.itemsize, prefill_tokens, prefill_start, decode_contexts, logits_rows)
+
+    def take_forward_cost(self) -> ForwardCost:
+        """The cost of the forwards since the last call, and start a new total."""
+        cost, self._forward_cost = self._forward_cost, ForwardCost(0.0, 0.0)
+        return cost
 
     # ---- helpers ----------------------------------------------------------------------------
     def _call_model(self, batch: ForwardBatch, rows: list[int], grown: list[tuple[SequenceState, int]],
                     prefill_seq: SequenceState | None, decode_seqs: list[SequenceState]) -> torch.Tensor:
         """The model over ``batch``, logits [R, V] at ``rows``; on an error the new blocks go back."""
         row_ids = torch.tensor(rows, dtype=torch.long, device=self.device)
+        self.kv_store.begin_forward(batch.num_prefill_tokens)  # InnerQ calibrates on prefill keys
         try:
             if self.fault is None:
                 return self._model_and_mtp(batch, row_ids, prefill_seq, decode_seqs)
@@ -159,6 +223,8 @@ class ModelRunner:
         except Exception:
             self._undo_allocation(grown)
             raise
+        finally:
+            self.kv_store.begin_forward(0)  # a forward built elsewhere (verify) is not a prefill
 
     def _model_and_mtp(self, batch: ForwardBatch, row_ids: torch.Tensor, prefill_seq: SequenceState | None,
                        decode_seqs: list[SequenceState]) -> torch.Tensor:

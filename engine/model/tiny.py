@@ -18,9 +18,9 @@ from engine.model.config import ModelConfig
 from engine.model.mtp import attach_mtp
 from engine.model.mtp_train import DistillSettings, distill
 from engine.model.qwen3_5 import Qwen35ForCausalLM
-from engine.model.tokenizer import EOS, build_byte_tokenizer
+from engine.model.tokenizer import CHAT_TOKENS, EOS, SPECIAL_TOKENS, build_byte_tokenizer
 
-TINY_VERSION = 3  # bump when the config or the init changes, so caches are rebuilt
+TINY_VERSION = 4  # bump when the config or the init changes, so caches are rebuilt
 TINY_SEED = 1234
 TINY_CONFIG = ModelConfig(
     vocab_size=272, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
@@ -98,8 +98,8 @@ def ensure_tiny_checkpoint() -> Path:
 
 def _marker() -> dict:
     """What the cached checkpoint was built from: a change to any of it rebuilds the cache."""
-    return {"version": TINY_VERSION, "seed": TINY_SEED, "eos": EOS, "config": TINY_CONFIG.to_hf_dict(),
-            "mtp": TINY_MTP.to_dict()}
+    return {"version": TINY_VERSION, "seed": TINY_SEED, "eos": EOS, "special_tokens": [*SPECIAL_TOKENS, *CHAT_TOKENS],
+            "config": TINY_CONFIG.to_hf_dict(), "mtp": TINY_MTP.to_dict()}
 
 
 def _is_current(marker: Path) -> bool:

@@ -13,7 +13,11 @@ EOS = "<|endoftext|>"
 THINK_START, THINK_END = "<think>", "</think>"
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 CODE_FENCE = "```"
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+TOOL_RESPONSE_START, TOOL_RESPONSE_END = "<tool_response>", "</tool_response>"
 SPECIAL_TOKENS = (EOS, THINK_START, THINK_END, TOOL_CALL_START, TOOL_CALL_END)
+# Qwen3.5's chat-template tokens, added after the fence so the older ids keep their values.
+CHAT_TOKENS = (IM_START, IM_END, TOOL_RESPONSE_START, TOOL_RESPONSE_END)
 
 # model attribute -> token text
 SPECIAL_ATTRIBUTES = {
@@ -75,6 +79,7 @@ def build_byte_tokenizer() -> HFTokenizer:
     inner.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     # The fence is a plain added token: it is matched inside ordinary text and kept on decode.
     inner.add_tokens([AddedToken(CODE_FENCE, special=False, normalized=False)])
+    inner.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in CHAT_TOKENS])
     return inner
 
 

@@ -12,8 +12,12 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.cache.ssm_pool import SSMPoolExhausted
+from engine.model.roofline import MachineRates
 from engine.model.runner import ModelRunner
-from engine.scheduler import decode_step, prefill_step, prefix_step
+from engine.grammar.masks import MaskStats
+from engine.grammar.spec import GrammarSpec
+from engine.request_features import RequestFeatures
+from engine.scheduler import decode_step, grammar_step, prefill_step, prefix_step
 from engine.scheduler.adaptive import StructureTokens, region_of
 from engine.scheduler.admission import RequestRejected, check_prompt, parse_sampling
 from engine.scheduler.mixing import SPEC_MTP
@@ -49,14 +53,21 @@ class Scheduler:
         self.num_done = 0
         self.last_path = ev.PATH_IDLE
         self.num_preemptions = 0
+        # This machine's GEMM rate and read bandwidth (roofline.measure_rates), set by ``serve``:
+        # with them each tick records its forwards' roofline time; None records none.
+        self.machine_rates: MachineRates | None = None
         model = runner.model
         self.eos_ids: set[int] = {model.eos_token_id} if model.eos_token_id is not None else set()
         self.structure_tokens = StructureTokens(model.code_fence_id, model.tool_call_start_id,
                                                 model.tool_call_end_id)
         self.max_context = runner.config.max_position_embeddings
+        # Token ids -> text, for stop strings (set by build_engine when the checkpoint has a tokenizer).
+        self.detokenize: Callable[[list[int]], str] | None = None
         self.streams = StreamSet(runner.device, self._on_stream_event)
         self.runner.block_manager.set_cap(levers.kv_blocks_cap or None)
         self.prefix = prefix_step.PrefixStep(self) if prefix_cache else None
+        self.grammars = None                  # engine.grammar.compiler.GrammarCompiler (engine_setup attaches it)
+        self.grammar_stats = MaskStats()      # this tick's constrained rows and mask time
         self.levers = self._refuse_unsupported(levers, "off", source="init", version=None)
         runner.mtp_keep_up = self.levers.speculation == SPEC_MTP
 
@@ -127,9 +138,16 @@ class Scheduler:
 
     # ---- requests -----------------------------------------------------------------------
     def submit(self, request_id: int, prompt_tokens: list[int], sampling: dict | Any,
-               *, conversation_id: int | None = None) -> Request:
-        """Queue a request, or reject it at once with a message naming the bad field."""
+               *, conversation_id: int | None = None,
+               features: RequestFeatures | dict | None = None, grammar: dict | None = None,
+               grammar_ready_tick: int | None = None) -> Request:
+        """Queue a request, or reject it at once with a message naming the bad field.
+
+        ``grammar`` (``engine/grammar/spec.py``) constrains the output; it compiles off the
+        tick loop and the request waits until it is ready (a replay passes the recorded
+        ``grammar_ready_tick``)."""
         try:
+            feats = self._check_features(features)
             params = parse_sampling(sampling, self.runner.vocab_size)
             if params.seed is None and not params.is_greedy:
                 # Every sampled request gets a seed so its run can be replayed exactly.
@@ -145,16 +163,46 @@ class Scheduler:
             request.sampling_record = dict(sampling) if isinstance(sampling, dict) else {}
             request.prompt_tokens = [t for t in prompt_tokens if isinstance(t, int)] if isinstance(
                 prompt_tokens, (list, tuple)) else []
+            if grammar is not None and isinstance(grammar, dict):
+                request.grammar_spec = _recorded_spec(grammar)
+            request.features_record = features.to_dict() if isinstance(features, RequestFeatures) else \
+                dict(features) if isinstance(features, dict) else {}
+            if isinstance(features, RequestFeatures):   # an API request stays one in its row
+                request.features = features
             request.status, request.error, request.finish_reason = ev.REQ_REJECTED, str(exc), "error"
             request.finished_ns = request.arrival_ns
             self.mark_done([request])
             self.emit_request(request, "rejected", str(exc))
             return request
-        request = Request(request_id, tokens, params, self.now_ns(), self.tick, conversation_id)
+        request = Request(request_id, tokens, params, self.now_ns(), self.tick, conversation_id, feats)
         request.region = region_of(tokens, self.structure_tokens)
+        if grammar is not None:
+            try:
+                grammar_step.attach(self, request, grammar, grammar_ready_tick)
+            except RequestRejected as exc:
+                if request.grammar_spec is None:   # kept as sent, so a replay rejects it the same way
+                    request.grammar_spec = _recorded_spec(grammar if isinstance(grammar, dict) else {"kind": grammar})
+                request.status, request.error, request.finish_reason = ev.REQ_REJECTED, str(exc), "error"
+                request.finished_ns = request.arrival_ns
+                self.mark_done([request])
+                self.emit_request(request, "rejected", str(exc))
+                return request
         self.waiting.append(request)
         self.emit_request(request, "arrived")
         return request
+
+    def _check_features(self, features: RequestFeatures | dict | None) -> RequestFeatures:
+        """The request's features, validated against what this model can do."""
+        try:
+            feats = features if isinstance(features, RequestFeatures) else RequestFeatures.from_dict(features)
+            feats.validate()
+        except (TypeError, ValueError) as exc:
+            raise RequestRejected(str(exc)) from None
+        if feats.stop_strings and self.detokenize is None:
+            raise RequestRejected("features.stop_strings: the checkpoint has no tokenizer to read text with")
+        if feats.require_tool_call and self.runner.model.tool_call_start_id is None:
+            raise RequestRejected("features.require_tool_call: the model has no tool-call start token")
+        return feats
 
     @property
     def has_work(self) -> bool:
@@ -162,18 +210,24 @@ class Scheduler:
 
     def _admit(self) -> None:
         """Start the next prefill (FIFO) when an SSM slot and its first chunk's blocks are free."""
+        grammar_step.poll_waiting(self)
         if self.prefilling is not None or not self.waiting:
             return
-        head = self.waiting[0]
+        # FIFO among the requests that may start: one still waiting for its grammar's compile
+        # does not hold back those behind it.
+        head = next((r for r in self.waiting if grammar_step.is_ready(r)), None)
+        if head is None:
+            return
         bm = self.runner.block_manager
         first_chunk = min(head.prompt_len, self.levers.max_prefill_tokens)
         if self.runner.ssm_pool.num_free == 0 or bm.num_free < bm.num_blocks_for(first_chunk):
             return
-        self.waiting.popleft()
+        index = self.waiting.index(head)
+        del self.waiting[index]
         try:
             self.runner.admit(head.seq)
         except SSMPoolExhausted:  # raced by nothing today, but never lose the request
-            self.waiting.appendleft(head)
+            self.waiting.insert(index, head)
             return
         prefix_step.on_admit(self, head)
         head.status = ev.REQ_PREFILLING
@@ -191,6 +245,7 @@ class Scheduler:
         if self.prefilling is None and not self.active:
             return False
         start = self.now_ns()
+        self.runner.take_forward_cost()  # forwards outside a tick (a draft warm-up) are not this tick's
         if self.prefilling is not None and not decodes_owed:
             path, num_prefill, num_decode = prefill_step.run(self)
         else:
@@ -198,13 +253,21 @@ class Scheduler:
         num_finished = self._retire()
         end = self.now_ns()
         bm, pool = self.runner.block_manager, self.runner.ssm_pool
+        cost = self.runner.take_forward_cost()
+        roofline_ns = None
+        if self.machine_rates is not None and (cost.flops or cost.bytes):
+            roofline_ns = int(self.machine_rates.seconds(cost) * 1e9)
         self.emit(ev.Tick(
             tick=self.tick, t_ns=start, path=path, duration_ns=end - start,
             num_prefill_tokens=num_prefill, num_decode_tokens=num_decode,
             num_active=len(self.active), num_waiting=len(self.waiting),
             num_prefilling=int(self.prefilling is not None), kv_blocks_used=bm.num_used,
             kv_blocks_total=bm.num_usable, ssm_slots_used=pool.num_used,
-            ssm_slots_total=pool.num_slots, num_finished=num_finished))
+            ssm_slots_total=pool.num_slots, num_finished=num_finished, roofline_ns=roofline_ns,
+            kv_bytes_used=self.runner.kv_bytes_used, kv_bytes_total=self.runner.kv_bytes_total,
+            kv_tokens_used=bm.num_used * bm.block_size, kv_tokens_total=(bm.num_used + bm.num_free) * bm.block_size,
+            num_constrained_rows=self.grammar_stats.num_rows, grammar_mask_ns=self.grammar_stats.mask_ns))
+        self.grammar_stats = MaskStats()
         self.last_path = path
         self.tick += 1
         return True
@@ -233,7 +296,8 @@ class Scheduler:
         request.finish_reason = reason
         request.error = error
         request.status = status or (ev.REQ_FINISHED if error is None else ev.REQ_ERROR)
-        request.clear_pending_drafts()  # drafts of an ended request are never verified
+        request.grammar_valid = grammar_step.output_validates(request)
+        request.clear_pending_drafts()  # its SSM copy would outlive the request in ``done``
         self.emit_request(request, "finished" if request.status == ev.REQ_FINISHED else request.status, error)
 
     def cancel(self, request_id: int, reason: str) -> Request | None:
@@ -269,3 +333,8 @@ class Scheduler:
         self.waiting.clear()
         for request in ([self.prefilling] if self.prefilling else []) + list(self.active):
             self.cancel(request.request_id, reason)
+
+
+def _recorded_spec(raw: dict) -> GrammarSpec:
+    """A rejected request's grammar as the client sent it, kept for its row (and a replay)."""
+    return GrammarSpec(str(raw.get("kind")), raw.get("value"), bool(raw.get("after_think", False)))

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from engine.scheduler import grammar_step
+from engine.request_features import find_stop_string, stop_string_window
 from engine.scheduler.adaptive import advance
 from engine.scheduler.request import Request
 from telemetry import events as ev
@@ -27,9 +29,37 @@ def append_token(sched: Scheduler, request: Request, token: int) -> None:
     if index == 0:
         request.first_token_ns = t_ns
         sched.emit_request(request, "first_token")
+    grammar_reason, grammar_error = grammar_step.after_token(request, token)
+    if grammar_error is not None:
+        sched.finish(request, "error", grammar_error)
+        return
     reason = finish_reason(request, token, sched.eos_ids, sched.max_context)
+    if reason is None and request.features.stop_strings and sched.detokenize is not None:
+        reason = _stop_string_reason(request, sched.detokenize)
+    if grammar_reason is not None:
+        # Complete (the last allowed token, or EOS where the grammar accepts): "stop", never
+        # "length"; a grammar reply that ends any other way is incomplete.
+        reason = grammar_reason
     if reason is not None:
         sched.finish(request, reason)
+
+
+def _stop_string_reason(request: Request, detokenize) -> str | None:
+    """"stop" when the output's newest tokens complete one of the request's stop strings.
+
+    Checked after every token, so the first completion ends the output; only the trailing
+    window that can hold a just-completed stop string is decoded (stop strings count only
+    once ``min_tokens`` is met, like stop ids).
+    """
+    stops = request.features.stop_strings
+    if request.num_generated < request.params.min_tokens:
+        return None
+    window = stop_string_window(stops)
+    text = detokenize(request.output_tokens[-window:])
+    if find_stop_string(text, stops) is None:
+        return None
+    request.stop_string = next(s for s in stops if s in text)
+    return "stop"
 
 
 def finish_reason(request: Request, token: int, eos_ids: set[int], max_context: int) -> str | None:

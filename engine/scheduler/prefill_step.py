@@ -14,7 +14,7 @@ import torch
 
 from engine.cache.kv import KVCacheExhausted
 from engine.cache.ssm_pool import SSMSnapshot
-from engine.scheduler import decode_step, forward_failure, outputs, prefix_step
+from engine.scheduler import decode_step, forward_failure, grammar_step, logprobs, outputs, prefix_step
 from engine.scheduler.adaptive import params_for_row
 from engine.scheduler.chunk_plan import ChunkPlan, plan_chunk
 from engine.scheduler.first_token import FirstTokenPolicy, sample_first_token
@@ -43,6 +43,7 @@ def run(sched: Scheduler) -> tuple[str, int, int]:
     """Advance the prefilling request by one chunk; returns (path, prefill tokens, decode tokens)."""
     req = sched.prefilling
     assert req is not None
+    kv_quant_state = poll_kv_quant(sched)  # where the reference calls poll_innerq: before planning
     chunk = plan(sched, req)
     verdict = can_mix(bisect_no_mix=sched.levers.bisect_no_mix, num_active=len(sched.active),
                       is_ep=sched.runner.is_ep, speculation=sched.levers.speculation)
@@ -53,7 +54,7 @@ def run(sched: Scheduler) -> tuple[str, int, int]:
         cap_rule=chunk.cap_rule, max_prefill_tokens=sched.levers.max_prefill_tokens,
         slice_budget=sched.levers.slice_budget if sched.levers.always_mixed else None,
         ssm_tail_boundary=chunk.ssm_tail_boundary, can_mix=verdict.can_mix,
-        mix_blocker=verdict.blocker, decode_width=len(sched.active))
+        mix_blocker=verdict.blocker, decode_width=len(sched.active), kv_quant_state=kv_quant_state)
     if req.chunk_offset == req.prefix_hit_tokens:  # the first computed chunk (after any cached prefix)
         sched.emit_request(req, "prefill_start")
     # The prefill stream runs after everything the default stream was given: the slot zeroing and
@@ -67,6 +68,17 @@ def run(sched: Scheduler) -> tuple[str, int, int]:
     row.duration_ns = sched.now_ns() - start
     sched.emit(row)
     return row.path, (chunk.length if row.outcome in ev.COMPUTED_OUTCOMES else 0), num_decode
+
+
+def poll_kv_quant(sched: Scheduler) -> str:
+    """Move InnerQ's calibration on (calibrating -> ready -> applied); a change is one event on
+    the timeline. Returns the state this chunk runs under."""
+    change = sched.runner.poll_kv_quant()
+    if change is not None:
+        sched.emit(ev.GenericEvent(tick=sched.tick, t_ns=sched.now_ns(), kind=ev.EVENT_KV_QUANT_STATE,
+                                   request_id=sched.prefilling.request_id if sched.prefilling else None,
+                                   detail=change))
+    return sched.runner.kv_quant_state
 
 
 def _run_mixed(sched: Scheduler, req: Request, chunk: ChunkPlan, row: ev.ChunkDecision) -> int:
@@ -156,8 +168,14 @@ def _run_plain(sched: Scheduler, req: Request, chunk: ChunkPlan, row: ev.ChunkDe
                 if victim is None:
                     row.outcome = ev.OUTCOME_FAILED_KV
                     sched.streams.wait_for(STREAM_DEFAULT, STREAM_PREFILL, EVENT_PREFILL_DONE)  # its earlier chunks
+                    num_held = sum(1 for a in sched.active if a.has_grammar)
+                    held = f"; {num_held} grammar holder(s) are never preempted" if num_held else ""
                     sched.finish(req, "error", f"KV cache exhausted: no request left to preempt for a "
-                                               f"{chunk.length}-token chunk ({exc})")
+                                               f"{chunk.length}-token chunk ({exc}){held}")
+                    if num_held:
+                        sched.emit(ev.GenericEvent(tick=sched.tick, t_ns=sched.now_ns(), kind="preemption_blocked",
+                                                   request_id=req.request_id,
+                                                   detail={"num_grammar_skipped": num_held}))
                     return
                 decode_step.preempt(sched, victim, prefill_request=req)
                 row.num_preempted += 1
@@ -204,11 +222,18 @@ def _first_token(sched: Scheduler, req: Request, logits: torch.Tensor, row: ev.C
     """Sample token 0 under the first-token policy; the request joins the decode batch."""
     model = sched.runner.model
     try:
-        policy = FirstTokenPolicy.for_birth(False, model.think_end_id, model.tool_call_start_id,
-                                            req.params.min_tokens, False)
+        features = req.features
+        # A grammar that starts after </think> makes token 0 open a thought (the thinking rule);
+        # otherwise the grammar applies to token 0 (the policy's grammar_applies).
+        policy = FirstTokenPolicy.for_birth(features.enable_thinking or grammar_step.is_thinking(req),
+                                            model.think_end_id, model.tool_call_start_id,
+                                            req.params.min_tokens, features.require_tool_call)
+        req.first_token_rules = row.first_token_rules = ",".join(policy.rules) or None
         min_p = effective_min_p(req.params, sched.levers.speculation, sched.levers.no_mtp_minp)
         params = params_for_row(req.params, req.region, sched.levers.adaptive_sampling)
-        token = sample_first_token(logits, params, req.generator, policy, sched.eos_ids, min_p)
+        allowed = grammar_step.first_token_allowed(sched, req) if policy.grammar_applies else None
+        token = sample_first_token(logits, params, req.generator, policy, sched.eos_ids, min_p, allowed)
+        logprobs.record(req, logits, token)
     except Exception as exc:
         row.outcome = ev.OUTCOME_FAILED_FIRST_TOKEN
         forward_failure.end_requests(sched, [req], exc, stage=forward_failure.STAGE_FIRST_TOKEN, path=row.path)

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.request_features import RequestFeatures
 from engine.scheduler.adaptive import Region
 from engine.scheduler.sampling import SamplingParams
 from engine.sequence import SequenceState
@@ -25,6 +26,7 @@ class Request:
     arrival_ns: int
     arrival_tick: int
     conversation_id: int | None = None
+    features: RequestFeatures = field(default_factory=RequestFeatures)
     seq: SequenceState = field(init=False)
     generator: torch.Generator | None = field(init=False)
     status: str = ev.REQ_WAITING
@@ -40,9 +42,13 @@ class Request:
     prefix_hit_tokens: int = 0
     prefix_miss_reason: str | None = None
     # Grammar-constrained requests are never preemption victims (reference rule, applied in
-    # scheduler/preempt.py). Nothing sets it yet: no request field or API accepts a grammar, so
-    # it is False for every request until a grammar engine sets it at submit.
+    # scheduler/preempt.py); set at submit when the request carries a grammar (grammar_step.attach).
     has_grammar: bool = False
+    grammar_spec: Any = None          # engine.grammar.spec.GrammarSpec: what the output must obey
+    grammar_future: Any = None        # the compile in flight (concurrent.futures.Future)
+    grammar: Any = None               # engine.grammar.matcher.GrammarState once compiled
+    grammar_ready_tick: int | None = None   # the tick it was seen compiled (a replay waits for it)
+    grammar_valid: bool | None = None       # the ended output is a complete sentence of the grammar
     pending_drafts: list[int] = field(default_factory=list)
     # Left by the last speculative step for the next one (engine/spec/spec_step.py): the
     # cached-token count the drafts were proposed at (made on the secondary stream). Stale
@@ -50,6 +56,11 @@ class Request:
     pending_drafts_at: int | None = None
     region: Region = field(default_factory=Region)   # inside a code fence / tool call (adaptive sampling)
     sampling_record: dict | None = None               # the sampling as stored (built once: params never change)
+    features_record: dict | None = None               # the features as stored (built once)
+    first_token_rules: str | None = None              # which first-token rules fired (set at token 0)
+    # With features.logprobs: per output token (its logprob, [(id, logprob)] of the top k).
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    stop_string: str | None = None                    # the stop string that ended the output, if any
 
     def __post_init__(self) -> None:
         self.seq = SequenceState(request_id=self.request_id)
@@ -94,5 +105,14 @@ class Request:
             # The prompt never changes after submit, so the row shares it; the output grows,
             # so the row gets a copy (the writer encodes it later, on its own thread).
             prompt_tokens=self.prompt_tokens, output_tokens=list(self.output_tokens),
-            conversation_id=self.conversation_id,
+            conversation_id=self.conversation_id, source=self.features.source,
+            features=self._features_dict(), first_token_rules=self.first_token_rules,
+            grammar=self.grammar_spec.to_dict() if self.grammar_spec is not None else None,
+            grammar_kind=self.grammar_spec.kind if self.grammar_spec is not None else None,
+            grammar_ready_tick=self.grammar_ready_tick, grammar_valid=self.grammar_valid,
         )
+
+    def _features_dict(self) -> dict:
+        if self.features_record is None:
+            self.features_record = self.features.to_dict()
+        return self.features_record

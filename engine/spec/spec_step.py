@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.scheduler import outputs
+from engine.scheduler import grammar_step, logprobs, outputs
 from engine.scheduler.adaptive import advance, params_for_row
 from engine.scheduler.mixing import SPEC_MTP, is_speculative
 from engine.scheduler.request import Request
@@ -85,6 +85,9 @@ def run(sched: Scheduler) -> int | None:
         sched.streams.wait(STREAM_DEFAULT, EVENT_SECONDARY_DONE)
     drafts = list(req.pending_drafts)[:budget] if is_pending_valid else _propose(sched, req, budget)
     req.clear_pending_drafts()
+    if req.grammar is not None:
+        # Drafts the grammar refuses could never be emitted: do not spend verify rows on them.
+        drafts = drafts[:req.grammar.num_valid_prefix(drafts)]
     if not drafts:
         if num_stale:
             _emit(sched, req, num_drafted=0, num_accepted=0, num_emitted=0, num_stale=num_stale,
@@ -95,7 +98,8 @@ def run(sched: Scheduler) -> int | None:
         verified = verify.verify_forward(runner, seq, [fed] + drafts, want_hidden=kind == SPEC_MTP)
         emitted = accept(sched, req, verified.logits, drafts)
     num_accepted = len(emitted) - 1
-    for token in emitted:
+    for row, token in enumerate(emitted):
+        logprobs.record(req, verified.logits[row], token)
         outputs.append_token(sched, req, token)
         if req.finished_ns is not None:
             break           # finished: its caches are released, nothing to keep
@@ -132,14 +136,29 @@ def accept(sched: Scheduler, req: Request, logits: torch.Tensor, drafts: list[in
     min_p = effective_min_p(req.params, levers.speculation, levers.no_mtp_minp)
     region = req.region
     emitted: list[int] = []
+    grammar = req.grammar
+    num_advanced = 0
     for row in range(len(drafts) + 1):
         params = params_for_row(req.params, region, levers.adaptive_sampling)
-        token = int(sample_next(logits[row:row + 1], [params], [req.generator],
+        row_logits = logits[row:row + 1]                                   # [1, V]
+        if grammar is not None:
+            # Row i's mask is the grammar after the tokens emitted so far in this step.
+            row_logits = grammar_step.constrain(sched, [req], row_logits)
+        token = int(sample_next(row_logits, [params], [req.generator],
                                 [req.num_generated + row], sched.eos_ids, min_p_override=[min_p])[0])
         emitted.append(token)
         if row == len(drafts) or token != drafts[row]:
             break
         region = advance(region, token, sched.structure_tokens)
+        if grammar is not None:
+            is_taken = grammar.advance(token)
+            num_advanced += int(is_taken)
+            if not is_taken or grammar.is_stopped:
+                break   # complete (or refused): append_token ends the request on this token
+    if num_advanced:
+        # The matcher went ahead with the accepted drafts to mask the rows after them; roll it
+        # back so append_token advances it once per emitted token, as a plain decode does.
+        grammar.rollback(num_advanced)
     return emitted
 
 

@@ -53,6 +53,7 @@ def verify_forward(runner: ModelRunner, seq: SequenceState, tokens: list[int], *
     batch.ssm_row_states = row_states = SSMRowStates()  # read by every GatedDeltaNet layer
     out = runner.model(batch, runner.kv_store, runner.ssm_pool, return_hidden=want_hidden)
     logits, hidden = out if want_hidden else (out, None)
+    runner.note_forward(len(tokens), start, [], int(logits.shape[0]))
     seq.num_cached_tokens = start + len(tokens)
     return Verified(start, logits, hidden, row_states)
 

@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
+from engine.request_features import RequestFeatures
 from engine.workload.request import SAMPLING_KEYS, RequestSpec, WorkloadError, length_summary
 
 REQUIRED_FIELDS = ("request_id", "arrival_s", "prompt_tokens", "sampling")
@@ -75,9 +76,18 @@ def _spec_from(obj: Any, where: str, vocab_size: int | None) -> RequestSpec:
         raise WorkloadError(f"{where}: sampling.max_tokens is missing")
     if sampling.get("seed") is None and obj.get("seed") is not None:
         sampling["seed"] = obj["seed"]
+    features = obj.get("features")
+    if features is not None:
+        try:
+            features = RequestFeatures.from_dict(features).to_dict()
+        except (TypeError, ValueError) as exc:
+            raise WorkloadError(f"{where}: {exc}") from None
+    grammar = obj.get("grammar")
+    if grammar is not None and not isinstance(grammar, dict):
+        raise WorkloadError(f"{where}: grammar must be a JSON object or null, got {type(grammar).__name__}")
     return RequestSpec(request_id=request_id, arrival_s=float(arrival_s), prompt_tokens=tokens,
                        sampling=sampling, conversation_id=obj.get("conversation_id"),
-                       turn=obj.get("turn"), arrival_tick=tick)
+                       turn=obj.get("turn"), arrival_tick=tick, features=features, grammar=grammar)
 
 
 def write_workload_jsonl(specs: list[RequestSpec], path: str | Path) -> None:
@@ -100,7 +110,9 @@ class BundleWorkload:
     def requests(self) -> list[RequestSpec]:
         # Fresh copies: a consumer that mutates a spec cannot change the next replay.
         return [RequestSpec(s.request_id, s.arrival_s, list(s.prompt_tokens), dict(s.sampling),
-                            s.conversation_id, s.turn, s.arrival_tick) for s in self._specs]
+                            s.conversation_id, s.turn, s.arrival_tick,
+                            dict(s.features) if s.features else None,
+                            dict(s.grammar) if s.grammar is not None else None) for s in self._specs]
 
     def describe(self) -> dict[str, Any]:
         known = [k for k in SAMPLING_KEYS if any(k in s.sampling for s in self._specs)]

@@ -29,6 +29,8 @@ class RequestSpec:
     conversation_id: int | None = None
     turn: int | None = None
     arrival_tick: int | None = None  # set when replaying a recorded run
+    features: dict[str, Any] | None = None  # RequestFeatures as a dict (source, thinking, tool call, ...)
+    grammar: dict[str, Any] | None = None  # what the output obeys (engine/grammar/spec.py), or None
 
     @property
     def prompt_len(self) -> int:
@@ -49,6 +51,8 @@ class RequestSpec:
             "seed": self.sampling.get("seed"),
             "conversation_id": self.conversation_id,
             "turn": self.turn,
+            "features": self.features,
+            **({"grammar": self.grammar} if self.grammar is not None else {}),
         }
 
 

@@ -12,6 +12,7 @@ import random
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Iterator
 
+from engine.workload.grammars import GRAMMAR_MAX_TOKENS, draw_grammar
 from engine.workload.request import (
     build_config,
     check_sampling_mix,
@@ -44,6 +45,7 @@ class SyntheticConfig:
     greedy_fraction: float = 0.5
     force_output_len: bool = True  # min_tokens = max_tokens
     seed: int = 0
+    grammar_share: float = 0.0  # share of requests with a built-in grammar (workload/grammars.py)
 
     def __post_init__(self) -> None:
         check_positive("num_requests", self.num_requests, allow_zero=True, integer=True)
@@ -60,6 +62,9 @@ class SyntheticConfig:
             if low > high:
                 raise WorkloadError(f"{which}_len_min {low} is above {which}_len_max {high}")
         check_sampling_mix(self.greedy_fraction, self.seed)
+        share = self.grammar_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
+            raise WorkloadError(f"grammar_share must be in [0, 1], got {share!r}")
 
 
 def arrival_gaps(rng: random.Random, num: int, rate: float, arrival: str, cv: float) -> list[float]:
@@ -84,6 +89,8 @@ class SyntheticWorkload:
         # Separate streams: changing a length knob leaves the arrival times alone.
         arrival_rng = random.Random(f"{cfg.seed}:arrivals")
         rng = random.Random(f"{cfg.seed}:requests")
+        # Its own stream too: a grammar share of 0 leaves every other draw as it was.
+        grammar_rng = random.Random(f"{cfg.seed}:grammars")
         gaps = arrival_gaps(arrival_rng, cfg.num_requests, cfg.rate, cfg.arrival, cfg.cv)
         specs, now = [], 0.0
         for i, gap in enumerate(gaps):
@@ -93,12 +100,17 @@ class SyntheticWorkload:
                                            cfg.prompt_len_min, cfg.prompt_len_max)
             output_len = clipped_lognormal(rng, cfg.output_len_median, cfg.output_len_sigma,
                                            cfg.output_len_min, cfg.output_len_max)
-            specs.append(RequestSpec(
+            spec = RequestSpec(
                 request_id=i,
                 arrival_s=now,
                 prompt_tokens=self.tokens.draw(rng, prompt_len),
                 sampling=mixed_sampling(rng, output_len, cfg.greedy_fraction, force_length=cfg.force_output_len),
-            ))
+            )
+            if cfg.grammar_share and grammar_rng.random() < cfg.grammar_share:
+                # The grammar decides the length: room for a complete answer, EOS never banned.
+                spec.grammar = draw_grammar(grammar_rng)
+                spec.sampling.update(max_tokens=GRAMMAR_MAX_TOKENS, min_tokens=0)
+            specs.append(spec)
         return specs
 
     def describe(self) -> dict[str, Any]:

@@ -78,7 +78,8 @@ def test_a_stall_is_named_on_the_live_page(session):
     assert re.search(r"head request \d+ needs \d+ KV blocks, cap is 1", banner.inner_text())
     _no_traceback(page)
     write_levers_file(paths.levers, 101, defaults())
-    page.get_by_text("Engine blocked at tick").first.wait_for(state="detached", timeout=15_000)
+    _wait_for(lambda: not (read_engine_status(paths.run_dir) or {}).get("is_blocked"), 60, "the engine to resume")
+    page.get_by_text("Engine blocked at tick").first.wait_for(state="detached", timeout=60_000)
 
 
 def test_the_levers_page_follows_pending_to_applied_without_a_reload(session):

@@ -160,3 +160,24 @@ def test_runs_compare_one_trace_per_run():
     spec = _spec(charts.runs_compare_figure(metrics))
     assert [t["name"] for t in spec["data"]] == ["run 1", "run 2"]
     assert spec["data"][1]["y"] == [12.0, 2.5]
+
+
+def test_timeline_roofline_lane_colours_each_forward_by_its_share():
+    forwards = _forwards(6).assign(roofline_share=[0.1, 0.5, None, 0.9, 0.25, 0.75])
+    spec = _spec(timeline_figure(forwards, NO_STREAMS, NO_LINKS, NO_PREEMPT, NO_LEVERS))
+    lane = next(t for t in spec["data"] if t["name"] == "roofline share")
+    assert lane["type"] == "scatter"
+    assert lane["marker"]["color"] == [0.1, 0.5, 0.9, 0.25, 0.75]   # the forward without a roofline is left out
+    assert lane["x"][0] == 0.75 and set(lane["y"]) == {LANE_Y["roofline"]}   # mid-forward, in its own lane
+    assert lane["marker"]["cmin"] == 0 and lane["marker"]["cmax"] == 1
+    assert "roofline" in spec["layout"]["yaxis"]["ticktext"]
+
+
+def test_timeline_roofline_lane_goes_webgl_and_handles_runs_without_rooflines():
+    many = _forwards(WEBGL_THRESHOLD + 3)
+    spec = _spec(timeline_figure(many.assign(roofline_share=0.4), NO_STREAMS, NO_LINKS, NO_PREEMPT, NO_LEVERS))
+    lane = next(t for t in spec["data"] if t["name"] == "roofline share")
+    assert lane["type"] == "scattergl" and len(lane["x"]) == WEBGL_THRESHOLD + 3
+    none = _spec(timeline_figure(_forwards(6).assign(roofline_share=None), NO_STREAMS, NO_LINKS, NO_PREEMPT,
+                                 NO_LEVERS))
+    assert all(t["name"] != "roofline share" for t in none["data"])

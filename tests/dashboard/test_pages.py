@@ -18,6 +18,8 @@ def test_live_counters_timeline_and_latency(app, run_fixture):
     assert metrics["waiting"] == str(last.num_waiting)
     assert metrics["active (decoding)"] == str(last.num_active)
     assert metrics["KV blocks"] == f"{last.kv_blocks_used} / {last.kv_blocks_total}"
+    # the synthetic run writes ticks as a store from before the KV token / byte columns: '-'
+    assert last.kv_tokens_used is None and metrics["KV tokens"] == "-" and metrics["KV MiB"] == "-"
     assert metrics["SSM slots"] == f"{last.ssm_slots_used} / {last.ssm_slots_total}"
     assert metrics["tick"] == str(last.tick)
 

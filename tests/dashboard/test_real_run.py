@@ -18,6 +18,7 @@ FRAME_COLUMNS = {  # AppTest does not expose a dataframe's key: find each table 
     "requests_errors": {"request_id", "status", "error", "at_ms"},
     "runs_table": {"run_id", "status", "started"},
     "replay_requests": {"tokens_identical", "first_token_diff", "recorded_len"},
+    "runs_roofline": {"forwards", "time_weighted_share", "p50_share"},
 }
 
 
@@ -33,11 +34,17 @@ def test_real_live_counters_timeline_markers(real_app, real_run_dir):
     at = real_app()
     at.select_slider(key="live_window_s").set_value(300).run()
     last = rr.rows("SELECT tick, num_waiting, num_active, kv_blocks_used, kv_blocks_total, ssm_slots_used, "
-                   "ssm_slots_total FROM ticks ORDER BY tick DESC LIMIT 1")[0]
+                   "ssm_slots_total, kv_tokens_used, kv_tokens_total, kv_bytes_used, kv_bytes_total "
+                   "FROM ticks ORDER BY tick DESC LIMIT 1")[0]
     metrics = {m.label: m.value for m in at.metric}
     assert metrics["tick"] == str(last[0])
     assert metrics["waiting"] == str(last[1]) and metrics["active (decoding)"] == str(last[2])
-    assert metrics["KV blocks"] == f"{last[3]} / {last[4]}" and last[4] == 24
+    # full precision: token slots and bytes go with blocks
+    assert last[4] == 24 and last[7] == 16 * last[3] and last[8] == 16 * last[4]
+    assert last[9] * last[4] == last[10] * last[3]
+    assert metrics["KV blocks"] == f"{last[3]} / {last[4]}"
+    assert metrics["KV tokens"] == f"{last[7]:,} / {last[8]:,}"
+    assert metrics["KV MiB"] == f"{last[9] / 2 ** 20:.1f} / {last[10] / 2 ** 20:.1f}"
     assert metrics["SSM slots"] == f"{last[5]} / {last[6]}"
 
     spec = chart_with(at, uirevision=TIMELINE_UIREVISION)
@@ -49,6 +56,12 @@ def test_real_live_counters_timeline_markers(real_app, real_run_dir):
     assert len(names["preemption"]["x"]) == num_preemptions
     # the env lever at tick 0 and the levers-file write mid-run
     assert len(names["lever change"]["x"]) == rr.one("SELECT COUNT(*) FROM lever_changes") == 2
+    # The roofline lane: one marker per forward, coloured by the engine's roofline over the measured time.
+    # A tick whose forward raised (the fault hook) ran no forward and records none.
+    shares = [share for (share,) in rr.rows("SELECT roofline_ns * 1.0 / duration_ns FROM ticks "
+                                            "WHERE path != 'idle' ORDER BY tick") if share is not None]
+    assert len(shares) > 0.9 * sum(by_path.values()) and all(0 < share for share in shares)
+    assert names["roofline share"]["marker"]["color"] == shares
     latency = at.dataframe[0].value.set_index("metric")
     assert latency.loc["TTFT", "count"] == rr.one("SELECT COUNT(*) FROM requests WHERE first_token_ns IS NOT NULL")
 
@@ -154,3 +167,10 @@ def test_real_runs_compare_metrics(real_app, real_run_dir):
         assert compare.loc[status, column] == by_status.get(status, 0), status
     assert compare.loc["running", column] == 0
     assert compare.loc["errors", column] == sum(by_status.get(s, 0) for s in ev.FAILURE_STATUSES)
+
+    roofline = frame_by_key(at, "runs_roofline")
+    expected = rr.rows("SELECT path, COUNT(*), SUM(roofline_ns) * 1.0 / SUM(duration_ns) FROM ticks "
+                       "WHERE path != 'idle' AND roofline_ns IS NOT NULL GROUP BY path ORDER BY path")
+    assert [path for (_, path) in roofline.index] == [path for path, _, _ in expected]
+    assert list(roofline["forwards"]) == [count for _, count, _ in expected]
+    assert list(roofline["time_weighted_share"]) == [round(share, 3) for _, _, share in expected]

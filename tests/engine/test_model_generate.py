@@ -26,7 +26,7 @@ def test_greedy_json_contract_and_determinism(capsys):
                              "--json", "--ignore-eos")
     assert code == 0, err
     result = json.loads(out)
-    assert set(result) == {"tokens", "text"} and len(result["tokens"]) == 12
+    assert set(result) == {"tokens", "text", "finish_reason"} and len(result["tokens"]) == 12
     assert all(isinstance(t, int) and 0 <= t < 272 for t in result["tokens"])
     assert isinstance(result["text"], str)
     assert json.loads(run_cli(capsys, "--prompt-ids", "1,2,3", "--max-tokens", "12", "--json",

@@ -1,0 +1,205 @@
+"""64 concurrent streaming HTTP clients vs the same arrivals fed in-process, in one run.
+
+Both sides run ``python -m engine serve`` on the tiny model with the same engine settings
+and the same requests (token-id prompts, greedy, a fixed output length, ``logprobs: 0`` so
+every token is one server-sent event) arriving at the same times:
+
+- API: ``--workload none --api-port P``; an asyncio client (httpx, at most 64 connections,
+  loopback only) sends each request at its arrival time as a streaming completion and
+  timestamps the first event (TTFT as the client sees it) and the last.
+- in-process: ``--workload bundle:workload.jsonl`` with those arrivals; TTFT and finish times
+  come from the run's telemetry store (first_token_ns - arrival_ns).
+
+Printed (medians of interleaved rounds): output tokens/s over first arrival .. last finish and
+TTFT p50 on both sides (in-process TTFT counts from when a request was due, as the client's
+clock starts when it sends), the throughput ratio (API / in-process, target >= 0.9), the TTFT
+the API adds (target <= 5 ms), and the CPU seconds of the engine process and of the client:
+on a machine with fewer free cores than engine + HTTP thread + clients need, the wall-clock
+ratio measures CPU share, and tokens per engine CPU-second isolates what the API costs.
+
+    python bench/api.py [--clients 64] [--max-tokens 32] [--rate 64] [--seed 0]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import resource
+import socket
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+WARMUP = 2                  # requests before the measured ones, excluded from the numbers
+MEASURED_START_S = 1.0      # measured arrivals start here (after the warm-up requests)
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as handle:
+            return next(line.split(":", 1)[1].strip() for line in handle if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown CPU"
+
+
+def arrivals(args) -> list[dict]:
+    """Warm-up requests at t=0, then ``clients`` Poisson arrivals at ``rate``/s."""
+    rng = random.Random(args.seed)
+    t, out = MEASURED_START_S, []
+    for i in range(WARMUP + args.clients):
+        if i >= WARMUP:
+            t += rng.expovariate(args.rate)
+        prompt = [rng.randrange(32, 127) for _ in range(rng.randint(16, 64))]
+        out.append({"request_id": i, "arrival_s": 0.05 * i if i < WARMUP else t, "prompt_tokens": prompt,
+                    "sampling": {"temperature": 0.0, "max_tokens": args.max_tokens,
+                                 "min_tokens": args.max_tokens, "seed": None},
+                    "features": {"source": "workload", "logprobs": 0}})
+    return out
+
+
+def children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def serve(run_dir: Path, args, *extra: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "engine", "serve", "--model", "tiny", "--run-dir", str(run_dir),
+               "--ssm-slots", str(max(64, args.clients + WARMUP)), "--kv-blocks", "2048", *extra]
+    log = open(run_dir / "serve.log", "w")
+    return subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def one_client(http: httpx.AsyncClient, url: str, spec: dict, t0: float, out: dict) -> None:
+    await asyncio.sleep(max(0.0, t0 + spec["arrival_s"] - time.perf_counter()))
+    sent = time.perf_counter()
+    body = {"model": "tiny", "prompt": spec["prompt_tokens"], "stream": True, "logprobs": 0,
+            "stream_options": {"include_usage": True}, **spec["sampling"]}
+    first, tokens = None, 0
+    async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            elif first is None:
+                first = time.perf_counter()
+    out[spec["request_id"]] = {"sent": sent, "ttft": first - sent, "done": time.perf_counter(), "tokens": tokens}
+
+
+async def drive_api(url: str, specs: list[dict], clients: int) -> dict:
+    limits = httpx.Limits(max_connections=clients + WARMUP, max_keepalive_connections=clients + WARMUP)
+    out: dict = {}
+    async with httpx.AsyncClient(timeout=300, limits=limits) as http:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one_client(http, url, spec, t0, out) for spec in specs))
+    return out
+
+
+def api_side(args, specs: list[dict], run_dir: Path) -> dict:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = serve(run_dir, args, "--workload", "none", "--api-port", str(port))
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise SystemExit(f"the API server did not come up; see {run_dir / 'serve.log'}")
+            time.sleep(0.2)
+        cpu_before, client_before = children_cpu_s(), time.process_time()
+        results = asyncio.run(drive_api(url, specs, args.clients))
+        client_cpu = time.process_time() - client_before
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    measured = [results[s["request_id"]] for s in specs[WARMUP:]]
+    span = max(r["done"] for r in measured) - min(r["sent"] for r in measured)
+    return {"tokens_s": sum(r["tokens"] for r in measured) / span,
+            "ttft_p50_ms": statistics.median(r["ttft"] for r in measured) * 1e3, "span_s": span,
+            "engine_cpu_s": children_cpu_s() - cpu_before, "client_cpu_s": client_cpu}
+
+
+def in_process_side(args, specs: list[dict], run_dir: Path) -> dict:
+    workload = run_dir / "workload.jsonl"
+    workload.write_text("".join(json.dumps(s) + "\n" for s in specs))
+    cpu_before = children_cpu_s()
+    proc = serve(run_dir, args, "--workload", f"bundle:{workload}")
+    if proc.wait(timeout=600) != 0:
+        raise SystemExit(f"the in-process run failed; see {run_dir / 'serve.log'}")
+    conn = sqlite3.connect(f"file:{run_dir / 'telemetry.db'}?mode=ro", uri=True)
+    origin = conn.execute("SELECT arrival_ns FROM requests WHERE request_id = 0").fetchone()[0]
+    rows = conn.execute("SELECT request_id, first_token_ns, finished_ns, output_len FROM requests "
+                        "WHERE request_id >= ? AND status = 'finished'", [WARMUP]).fetchall()
+    conn.close()
+    if len(rows) != args.clients:
+        raise SystemExit(f"in-process run finished {len(rows)} of {args.clients} requests")
+    # Time from when each request was due (the feed submits it at the next tick boundary after
+    # that, as the API's inbox does), like the client's clock starts when it sends.
+    due = {s["request_id"]: origin + s["arrival_s"] * 1e9 for s in specs}
+    span = (max(r[2] for r in rows) - min(due[r[0]] for r in rows)) / 1e9
+    return {"tokens_s": sum(r[3] for r in rows) / span,
+            "ttft_p50_ms": statistics.median((r[1] - due[r[0]]) / 1e6 for r in rows), "span_s": span,
+            "engine_cpu_s": children_cpu_s() - cpu_before, "client_cpu_s": 0.0}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, default=64, help="concurrent streaming clients (requests)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
+    parser.add_argument("--rate", type=float, default=24.0,
+                        help="arrival rate, requests/s (the default keeps the tiny engine out of a growing "
+                             "queue on 2 cores, so TTFT measures the path, not the backlog)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds per side (medians are printed)")
+    args = parser.parse_args()
+    if not 1 <= args.clients <= 256:
+        parser.error("--clients must be in [1, 256]")
+    specs = arrivals(args)
+    print(f"# bench/api.py on {cpu_model()}: {args.clients} streaming clients, {args.max_tokens} tokens each, "
+          f"arrivals at {args.rate}/s, tiny model")
+    sides: dict[str, list[dict]] = {"in-process": [], "API (HTTP)": []}
+    with tempfile.TemporaryDirectory(prefix="bench-api-") as tmp:
+        for round_ in range(args.rounds):   # interleaved: the neighbours' load hits both sides alike
+            for name, run_side in (("in-process", in_process_side), ("API (HTTP)", api_side)):
+                run_dir = Path(tmp) / f"{name.split()[0]}-{round_}"
+                run_dir.mkdir()
+                sides[name].append(run_side(args, specs, run_dir))
+    med = {name: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for name, runs in sides.items()}
+    inproc, api = med["in-process"], med["API (HTTP)"]
+    ratio = api["tokens_s"] / inproc["tokens_s"]
+    added = api["ttft_p50_ms"] - inproc["ttft_p50_ms"]
+    print(f"medians of {args.rounds} interleaved rounds")
+    print(f"{'side':<12} {'out tok/s':>10} {'TTFT p50 ms':>12} {'span s':>8} {'engine CPU s':>13} {'client CPU s':>13}")
+    for name, side in med.items():
+        print(f"{name:<12} {side['tokens_s']:>10.1f} {side['ttft_p50_ms']:>12.2f} {side['span_s']:>8.2f} "
+              f"{side['engine_cpu_s']:>13.2f} {side['client_cpu_s']:>13.2f}")
+    print(f"throughput ratio API / in-process = {ratio:.3f} (target >= 0.9): {'PASS' if ratio >= 0.9 else 'FAIL'}")
+    print(f"added TTFT p50 = {added:.2f} ms (target <= 5 ms): {'PASS' if added <= 5.0 else 'FAIL'}")
+    cpu_ratio = inproc["engine_cpu_s"] / api["engine_cpu_s"]
+    print(f"output tokens per engine CPU-second, API / in-process = {cpu_ratio:.3f} "
+          f"(the HTTP thread's cost; wall-clock ratios on a CPU-starved machine also pay the client's CPU)")
+    return 0 if ratio >= 0.9 and added <= 5.0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP API served beside the tick loop (see ``server.py``)."""

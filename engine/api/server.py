@@ -1,0 +1,198 @@
+"""The HTTP server: a Starlette app run by uvicorn in its own thread, beside the tick loop.
+
+Handlers validate and map a body (``parse.py``), submit it through the bridge, then await
+the request's outbox: a JSON response at the end, or server-sent events as tokens arrive.
+A client that goes away (streaming or not) cancels its request through the bridge.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from engine.api.bridge import EngineBridge, Ended, Outbox, QueueFull, Tokens
+from engine.api.errors import TYPE_AUTH, TYPE_NOT_FOUND, TYPE_RATE, TYPE_SERVER, APIError
+from engine.api.metrics import CONTENT_TYPE, EngineMetrics
+from engine.api.parse import MAX_BODY_BYTES, EngineInfo, EngineRequest, chat_request, completion_request, validate
+from engine.api.protocol import ChatCompletionRequest, CompletionRequest
+from engine.api.replies import ChatReply, CompletionReply
+from telemetry import events as ev
+
+log = logging.getLogger("chunkscope.api")
+RETRY_AFTER_S = 1
+CLIENT_CLOSED = 499      # nginx's "client closed request": nobody reads it, the log does
+_END_STATUS = {ev.REQ_ERROR: (500, TYPE_SERVER), ev.REQ_PREEMPTED: (503, TYPE_SERVER),
+               ev.REQ_REJECTED: (400, "invalid_request_error"), ev.REQ_CANCELLED: (503, TYPE_SERVER)}
+
+
+def build_app(info: EngineInfo, bridge: EngineBridge, metrics: EngineMetrics, api_key: str | None = None) -> Starlette:
+    async def read_body(request: Request) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise APIError(413, f"request body is {declared} bytes, more than {MAX_BODY_BYTES}", code="body_too_large")
+        body = bytearray()
+        async for part in request.stream():
+            body += part
+            if len(body) > MAX_BODY_BYTES:
+                raise APIError(413, f"request body is over {MAX_BODY_BYTES} bytes", code="body_too_large")
+        return bytes(body)
+
+    def check_key(request: Request) -> None:
+        if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
+            raise APIError(401, "missing or wrong API key (Authorization: Bearer KEY)", type=TYPE_AUTH,
+                           code="invalid_api_key")
+
+    async def health(_request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def models(request: Request) -> Response:
+        check_key(request)
+        return JSONResponse({"object": "list", "data": [
+            {"id": info.model_name, "object": "model", "created": 0, "owned_by": "chunkscope",
+             "max_model_len": info.max_context}]})
+
+    async def metrics_route(request: Request) -> Response:
+        check_key(request)
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE)
+
+    async def completions(request: Request) -> Response:
+        check_key(request)
+        engine_request = completion_request(info, validate(CompletionRequest, await read_body(request)))
+        return await _serve(request, engine_request, CompletionReply(info, engine_request))
+
+    async def chat(request: Request) -> Response:
+        check_key(request)
+        engine_request = chat_request(info, validate(ChatCompletionRequest, await read_body(request)))
+        return await _serve(request, engine_request, ChatReply(info, engine_request))
+
+    async def _serve(request: Request, engine_request: EngineRequest, reply) -> Response:
+        outbox = Outbox(asyncio.get_running_loop())
+        try:
+            handle = bridge.submit(engine_request.prompt_tokens, engine_request.sampling,
+                                   engine_request.features, outbox, engine_request.grammar)
+        except QueueFull as exc:
+            raise APIError(429, str(exc), type=TYPE_RATE, code="too_many_waiting",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        if engine_request.stream:
+            return StreamingResponse(_events(handle, outbox, reply, engine_request.include_usage),
+                                     media_type="text/event-stream")
+        return await _whole(request, handle, outbox, reply)
+
+    async def _whole(request: Request, handle: int, outbox: Outbox, reply) -> Response:
+        disconnect = asyncio.ensure_future(_client_gone(request))
+        try:
+            while True:
+                get = asyncio.ensure_future(outbox.queue.get())
+                done, _ = await asyncio.wait({get, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+                if get not in done:
+                    get.cancel()
+                    bridge.cancel(handle)
+                    return Response(status_code=CLIENT_CLOSED)
+                item = get.result()
+                if isinstance(item, Tokens):
+                    reply.on_tokens(item)
+                    continue
+                reply.on_end(item)
+                if item.status != ev.REQ_FINISHED:
+                    return _ended_error(item).response()
+                return JSONResponse(reply.response())
+        finally:
+            disconnect.cancel()
+
+    async def _events(handle: int, outbox: Outbox, reply, include_usage: bool):
+        is_over = False
+        try:
+            while not is_over:
+                item = _merged(await outbox.queue.get(), outbox.queue)
+                if isinstance(item, Tokens):
+                    chunks = reply.on_tokens(item)
+                elif item.status == ev.REQ_FINISHED:
+                    is_over = True
+                    chunks = reply.on_end(item) + ([reply.usage_chunk()] if include_usage else [])
+                else:
+                    is_over = True
+                    chunks = [_ended_error(item).body()]
+                for chunk in chunks:
+                    yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            if not is_over:   # the client went away (or the send failed): stop computing for it
+                bridge.cancel(handle)
+
+    async def on_api_error(_request: Request, exc: APIError) -> Response:
+        return exc.response()
+
+    async def on_http_error(_request: Request, exc: HTTPException) -> Response:
+        kind = TYPE_NOT_FOUND if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, str(exc.detail), type=kind).response()
+
+    async def on_error(_request: Request, exc: Exception) -> Response:
+        log.exception("API handler failed")
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type=TYPE_SERVER).response()
+
+    routes = [Route("/health", health), Route("/v1/models", models), Route("/metrics", metrics_route),
+              Route("/v1/completions", completions, methods=["POST"]),
+              Route("/v1/chat/completions", chat, methods=["POST"])]
+    return Starlette(routes=routes, exception_handlers={APIError: on_api_error, HTTPException: on_http_error,
+                                                        Exception: on_error})
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns when the client disconnects (its body has been read, so only that can come)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _merged(item, queue: asyncio.Queue):
+    """``item`` joined with the token batches already queued behind it: a client that fell behind
+    gets one larger event instead of many small ones (an end stays queued for the next turn)."""
+    while isinstance(item, Tokens) and not queue.empty() and isinstance(queue._queue[0], Tokens):
+        more = queue.get_nowait()
+        item = Tokens(item.token_ids + more.token_ids, item.logprobs + more.logprobs)
+    return item
+
+
+def _ended_error(item: Ended) -> APIError:
+    status, kind = _END_STATUS.get(item.status, (500, TYPE_SERVER))
+    return APIError(status, f"request {item.status}: {item.error}", type=kind, code=item.status)
+
+
+class APIServer:
+    """uvicorn serving the app from a daemon thread; ``start`` returns once it listens."""
+
+    def __init__(self, app: Starlette, host: str, port: int) -> None:
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=2)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, name="chunkscope-api", daemon=True)
+        self.host = host
+        self.port = port
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise ValueError(f"--api-port: the API server could not listen on {self.host}:{self.port} "
+                                 "(in use, or not an address of this machine?)")
+            time.sleep(0.01)
+        sockets = [s for server in self._server.servers for s in server.sockets]
+        if sockets:
+            self.port = sockets[0].getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=5)

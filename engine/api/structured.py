@@ -1,0 +1,83 @@
+"""OpenAI's structured-output fields -> the engine's grammar; a bad or uncompilable one is a 400.
+
+- ``response_format``: ``{"type": "text"}`` (no grammar), ``{"type": "json_object"}``, or
+  ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}``;
+- ``structured_outputs`` (an extension, as vLLM's): exactly one of ``regex``, ``choice``
+  (a list of strings) or ``grammar`` (Lark, llguidance's dialect);
+- ``tool_choice`` ``"required"`` or a named function, with ``tools``: the reply is one tool
+  call whose arguments follow that tool's ``parameters`` schema (``engine/grammar/tools.py``).
+
+At most one of the three may constrain a request. With thinking on, the grammar starts after
+``</think>``. The grammar compiles here, on the HTTP thread (through the engine's compile
+worker and its cache, which the tick loop then hits), so one that does not compile is
+answered with a 400 naming the problem before anything reaches the engine.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from engine.api.errors import bad_request
+from engine.grammar.compiler import GrammarCompileError
+from engine.grammar.spec import GrammarSpec, GrammarSpecError
+from engine.grammar.tools import tool_call_spec
+
+COMPILE_TIMEOUT_S = 30.0
+
+
+def grammar_for(info: Any, *, response_format: Any = None, structured_outputs: Any = None,
+                tools: list[dict] | None = None, tool_choice: Any = None,
+                enable_thinking: bool = False) -> dict | None:
+    """The request's grammar dict (``engine/grammar/spec.py``), compiled and checked; None without one."""
+    asked = {}
+    if response_format is not None and response_format.type != "text":
+        asked["response_format"] = _from_response_format(response_format, enable_thinking)
+    if structured_outputs is not None:
+        asked["structured_outputs"] = _from_structured_outputs(structured_outputs, enable_thinking)
+    forced_tool = tool_choice == "required" or (tool_choice is not None and not isinstance(tool_choice, str))
+    if forced_tool and tools:
+        name = None if isinstance(tool_choice, str) else tool_choice.function.name
+        try:
+            asked["tool_choice"] = tool_call_spec(tools, start_id=info.tool_call_start_id,
+                                                  end_id=info.tool_call_end_id, name=name,
+                                                  after_think=enable_thinking)
+        except GrammarSpecError as exc:
+            raise bad_request(f"tool_choice: {exc}", "tool_choice") from None
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise bad_request(f"{' and '.join(asked)} both constrain the output; give one", next(iter(asked)))
+    (param, spec), = asked.items()
+    if info.grammars is None:
+        raise bad_request(f"{param}: this model has no tokenizer, so no grammar support", param)
+    try:
+        info.grammars.compile_now(spec, timeout_s=COMPILE_TIMEOUT_S)
+    except GrammarCompileError as exc:
+        raise bad_request(f"{param}: {exc}", param, "invalid_grammar") from None
+    return spec.to_dict()
+
+
+def _from_response_format(fmt: Any, after_think: bool) -> GrammarSpec:
+    if fmt.type == "json_object":
+        return GrammarSpec.parse({"kind": "json_object", "after_think": after_think})
+    if fmt.json_schema is None:
+        raise bad_request("response_format: type json_schema needs a json_schema object with a schema",
+                          "response_format")
+    return _parse({"kind": "json_schema", "value": fmt.json_schema.schema_, "after_think": after_think},
+                  "response_format.json_schema.schema")
+
+
+def _from_structured_outputs(so: Any, after_think: bool) -> GrammarSpec:
+    given = {k: v for k, v in (("regex", so.regex), ("choice", so.choice), ("grammar", so.grammar)) if v is not None}
+    if len(given) != 1:
+        raise bad_request(f"structured_outputs: give exactly one of regex, choice, grammar (got {sorted(given) or 'none'})",
+                          "structured_outputs")
+    (key, value), = given.items()
+    kind = {"regex": "regex", "choice": "choice", "grammar": "lark"}[key]
+    return _parse({"kind": kind, "value": value, "after_think": after_think}, f"structured_outputs.{key}")
+
+
+def _parse(raw: dict, param: str) -> GrammarSpec:
+    try:
+        return GrammarSpec.parse(raw)
+    except GrammarSpecError as exc:
+        raise bad_request(f"{param}: {exc}", param) from None

@@ -1,0 +1,50 @@
+"""What this CPU is and which dtype fits it: read from /proc/cpuinfo, decided by a pure function."""
+from __future__ import annotations
+
+import platform
+
+# bf16 pays off where the CPU multiplies bf16 natively: AMX tiles or AVX512-BF16 dot products.
+# Elsewhere (AVX2 EPYC, older Xeons) oneDNN widens bf16 to fp32 for the multiply, and the halved
+# weight bytes do not buy back the conversions.
+BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+DTYPE_CHOICES = ("auto", "float32", "bfloat16")
+
+
+def _cpuinfo_field(name: str) -> str | None:
+    try:
+        with open("/proc/cpuinfo") as handle:
+            return next((line.split(":", 1)[1].strip() for line in handle if line.startswith(name)), None)
+    except OSError:
+        return None
+
+
+def cpu_model() -> str:
+    """The CPU's model name (e.g. 'AMD EPYC 7B13'), else the platform's best guess."""
+    return _cpuinfo_field("model name") or platform.processor() or platform.machine()
+
+
+def cpu_flags() -> set[str]:
+    """The instruction-set flags of the first CPU ('avx2', 'amx_bf16', ...); empty where unknown."""
+    return set((_cpuinfo_field("flags") or "").split())
+
+
+def default_dtype(flags: set[str]) -> str:
+    """'bfloat16' on a CPU with native bf16 multiplies (AMX or AVX512-BF16), else 'float32'."""
+    return "bfloat16" if any(flag in flags for flag in BF16_FLAGS) else "float32"
+
+
+def resolve_dtype(choice: str, flags: set[str] | None = None, device: str = "cpu") -> str:
+    """The dtype a run uses: ``choice`` unless it is 'auto' (then ``default_dtype`` on CPU, fp32 on others)."""
+    if choice not in DTYPE_CHOICES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {choice!r}")
+    if choice != "auto":
+        return choice
+    if not device.startswith("cpu"):
+        return "float32"
+    return default_dtype(cpu_flags() if flags is None else flags)
+
+
+def isa_summary(flags: set[str]) -> str:
+    """The flags that decide GEMM speed and the dtype, e.g. 'avx2 fma' or 'avx512f amx_bf16'."""
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    return " ".join(flag for flag in wanted if flag in flags) or "unknown"

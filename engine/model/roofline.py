@@ -1,0 +1,119 @@
+"""The roofline of a forward: the least time this machine could take for it.
+
+A forward must do its FLOPs (at best at the rate of a large square GEMM) and must move its
+bytes (at best at the read bandwidth of a streaming pass): its roofline is the larger of the
+two times. ``forward_cost`` is the pure cost model (FLOPs and bytes from the config and the
+batch shape); ``measure_rates`` times the two rates on this machine with the current threads
+(the GEMM in the given dtype). ``bench/forward.py`` and the engine's per-tick telemetry both use them, so the
+dashboard's share and the benchmark's share mean the same thing.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.model.config import ModelConfig
+
+FP32_BYTES = 4  # linear-attention state and conv state stay float32 in any dtype
+
+
+@dataclass(frozen=True)
+class ForwardCost:
+    flops: float
+    bytes: float
+
+    def __add__(self, other: "ForwardCost") -> "ForwardCost":
+        return ForwardCost(self.flops + other.flops, self.bytes + other.bytes)
+
+
+@dataclass(frozen=True)
+class MachineRates:
+    flops_per_s: float  # square-GEMM rate
+    bytes_per_s: float  # streaming read bandwidth
+
+    def seconds(self, cost: ForwardCost) -> float:
+        """The roofline time of ``cost``: compute-bound or bandwidth-bound, whichever is longer."""
+        return max(cost.flops / self.flops_per_s, cost.bytes / self.bytes_per_s)
+
+
+def gemm_params(config: ModelConfig) -> tuple[int, int]:
+    """(body GEMM weights per token, LM-head weights): every projection a token goes through."""
+    h = config.hidden_size
+    attn = h * config.num_attention_heads * config.head_dim * 2  # q and its output gate
+    attn += 2 * h * config.num_key_value_heads * config.head_dim  # k, v
+    attn += config.num_attention_heads * config.head_dim * h  # o
+    gdn = h * (config.conv_dim + config.linear_value_dim + 2 * config.linear_num_value_heads)
+    gdn += config.linear_value_dim * h
+    mlp = 3 * h * config.intermediate_size
+    body = (len(config.full_attention_layers) * attn + len(config.linear_attention_layers) * gdn
+            + config.num_hidden_layers * mlp)
+    return body, config.vocab_size * h
+
+
+def _ssm_state_bytes(config: ModelConfig) -> int:
+    """One sequence's linear-attention state (recurrent + conv window), all layers, float32."""
+    recurrent = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
+    conv = config.conv_dim * (config.linear_conv_kernel_dim - 1)
+    return len(config.linear_attention_layers) * (recurrent + conv) * FP32_BYTES
+
+
+def forward_cost(config: ModelConfig, weight_bytes: int, prefill_tokens: int, prefill_start: int,
+                 decode_contexts: list[int], logits_rows: int) -> ForwardCost:
+    """FLOPs and bytes of one forward over a prefill chunk and decode rows.
+
+    ``weight_bytes``: bytes per weight element (each weight is read once per forward);
+    ``prefill_start``: tokens cached before the chunk; ``decode_contexts``: each decode row's
+    context length, its own token included. K/V are read once per row and written once per
+    token; each sequence's linear-attention state is read and written once.
+    """
+    body, head = gemm_params(config)
+    tokens = prefill_tokens + len(decode_contexts)
+    full_layers = len(config.full_attention_layers)
+    kv_width = 2 * config.num_key_value_heads * config.head_dim  # K and V per token per layer
+    q_width = config.num_attention_heads * config.head_dim
+    # Attention: QK^T and PV, 2 FLOPs per multiply-add each, over the visible keys.
+    prefill_keys = prefill_tokens * prefill_start + prefill_tokens * (prefill_tokens + 1) // 2
+    visible = prefill_keys + sum(decode_contexts)
+    attn_flops = 4 * q_width * visible * full_layers
+    recurrent = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
+    gdn_flops = 6 * recurrent * len(config.linear_attention_layers) * tokens  # decay, update, read-out
+    flops = 2 * body * tokens + 2 * head * logits_rows + attn_flops + gdn_flops
+    sequences = (1 if prefill_tokens else 0) + len(decode_contexts)
+    kv_read = (prefill_start + sum(decode_contexts)) * kv_width * full_layers * weight_bytes
+    kv_write = tokens * kv_width * full_layers * weight_bytes
+    state = 2 * sequences * _ssm_state_bytes(config)
+    moved = (body + (head if logits_rows else 0)) * weight_bytes + kv_read + kv_write + state
+    return ForwardCost(float(flops), float(moved))
+
+
+def measure_rates(dtype: torch.dtype = torch.float32, gemm_size: int = 1024, stream_mib: int = 256,
+                  repeats: int = 3, clock=time.perf_counter, max_gemm_s: float = 0.05) -> MachineRates:
+    """Best-of-``repeats`` square-GEMM FLOP/s in ``dtype`` and streaming read bytes/s, with the current threads.
+
+    The GEMM grows from 256 up to ``gemm_size`` while one multiply stays under ``max_gemm_s``:
+    where ``dtype`` has no fast kernel (bf16 on a CPU without AVX512-BF16 / AMX runs ~100x
+    slower than fp32) a 1024 GEMM would take seconds and the engine's start would wait on it.
+    The read pass sums a float32 buffer larger than any cache (``stream_mib``): bandwidth is
+    bytes whatever their dtype, and a bf16 sum on such a CPU would time conversions, not memory.
+    """
+    size, gemm = 256, 0.0
+    while True:
+        a = torch.randn(size, size).to(dtype)
+        b = torch.randn(size, size).to(dtype)
+        warm_up = _timed(lambda: a @ b, clock)
+        gemm = min(_timed(lambda: a @ b, clock) for _ in range(repeats))
+        if size * 2 > gemm_size or min(warm_up, gemm) * 8 > max_gemm_s:  # the next size costs 8x
+            break
+        size *= 2
+    buffer = torch.ones(stream_mib * (1 << 20) // 4, dtype=torch.float32)
+    buffer.sum()
+    read = min(_timed(buffer.sum, clock) for _ in range(repeats))
+    return MachineRates(2 * size ** 3 / gemm, buffer.numel() * buffer.element_size() / read)
+
+
+def _timed(fn, clock) -> float:
+    start = clock()
+    fn()
+    return clock() - start
