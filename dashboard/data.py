@@ -13,8 +13,7 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import (lever_state, queries_api, queries_chunks, queries_grammar, queries_live, queries_prefix,
-                       queries_requests,
-                       queries_runs)
+                       queries_requests, queries_runs, queries_spec)
 from dashboard.db import DataUnavailable, query_one
 from dashboard.queries_chunks import ChunkFilter
 
@@ -124,6 +123,24 @@ def prefix_view(db: str, run_id: int, version: Version):
     return (scope, queries_prefix.hit_ratio_over_time(path, run_id, scope=scope),
             queries_prefix.totals(path, run_id, scope), queries_prefix.miss_reasons(path, run_id, scope),
             queries_prefix.snapshot_counts(path, run_id, scope))
+
+
+@st.cache_data(max_entries=_ENTRIES, show_spinner=False)
+def spec_view(db: str, run_id: int, version: Version, window_s: float):
+    """(totals by kind, acceptance buckets, steps in the window, drops in the window, (start ms, end ms)),
+    "none" for a run without speculation, or None before the first tick."""
+    path = Path(db)
+    last = queries_live.latest_tick(path, run_id)
+    if last is None:
+        return None
+    if not queries_spec.has_speculation(path, run_id):  # the usual run: two index probes, nothing more
+        return "none"
+    end_ns = int(last["t_ns"] + last["duration_ns"])
+    start_ns = max(0, end_ns - int(window_s * 1e9))
+    first_tick = queries_spec.first_tick_since(path, run_id, start_ns)
+    return (queries_spec.totals_by_kind(path, run_id), queries_spec.acceptance_over_time(path, run_id),
+            queries_spec.steps_since(path, run_id, first_tick), queries_spec.drops_since(path, run_id, first_tick),
+            (start_ns / 1e6, end_ns / 1e6))
 
 
 @st.cache_data(max_entries=_ENTRIES, show_spinner=False)

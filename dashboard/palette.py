@@ -16,6 +16,7 @@ PHASE_COLORS = {
     "error": "#ff0000",
     "cancelled": "#e377c2",
 }
+SPEC_KIND_COLORS = {"ngram": "#ff7f0e", "mtp": "#9467bd", "self": "#17becf"}
 KIND_SYMBOLS = {"record": "triangle-up", "wait": "square", "sync": "circle"}
 # Fixed per kind (Plotly's colour cycle would repaint them as traces come and go between frames),
 # and apart from the path colours, the lever-change orange and the preemption red.
@@ -30,3 +31,7 @@ def path_color(path: object) -> str:
 
 def phase_color(phase: object) -> str:
     return PHASE_COLORS.get(str(phase), FALLBACK_COLOR)
+
+
+def spec_kind_color(kind: object) -> str:
+    return SPEC_KIND_COLORS.get(str(kind), FALLBACK_COLOR)

@@ -83,7 +83,10 @@ def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: Lev
                      "dtype_choice": dtype_choice, "cpu_isa": isa_summary(cpu_flags()),
                      "prefix_cache": prefix_cache, "threads": torch.get_num_threads(),
                      **{k: v for k, v in kv_cache.items() if v is not None},
-                     "kv_cache_blocks": runner.block_manager.num_blocks, "kv_cache_bytes": runner.kv_bytes_total}
+                     "kv_cache_blocks": runner.block_manager.num_blocks, "kv_cache_bytes": runner.kv_bytes_total,
+                     # Paged K/V layers (full attention + the MTP module's) and their bytes.
+                     "kv_layers": len(model.kv_layer_ids), "kv_bytes": runner.kv_store.num_bytes,
+                     "mtp_layers": len(model.mtp.layers) if model.has_mtp_head else 0}
     if fault is not None:
         engine_config["fault_forward"] = fault.describe()
     return EngineSetup(model_name, directory, model, config, tokenizer, runner, scheduler, engine_config)

@@ -15,9 +15,13 @@ from engine.grammar.spec import GrammarSpec
 from engine.distributed import launch
 from engine.model.loader import load_model
 from engine.model.runner import ModelRunner
+from engine.scheduler.loop import Scheduler
+from engine.scheduler.mixing import SPECULATION_KINDS
 from engine.scheduler.sampling import SamplingParams, make_generator, sample_next
 from engine.sequence import SequenceState
 from telemetry import cli_args
+from telemetry import events as ev
+from telemetry.levers import LEVERS_BY_NAME, defaults
 
 PREFILL_CHUNK = 512  # bounds peak activation memory on long prompts
 
@@ -34,17 +38,8 @@ def runner_sizes(prompt_len: int, max_tokens: int) -> tuple[int, int]:
     return -(-(prompt_len + max_tokens) // 16) + 1, 1
 
 
-def generate(model, tokenizer, prompt: list[int], params: SamplingParams, stop_at_eos: bool = True,
-             grammar: dict | None = None, kv_cache: dict | None = None,
-             runner: ModelRunner | None = None) -> dict:
-    """Greedy or sampled continuation of ``prompt``; returns {"tokens": [...], "text": str | None}, plus
-    "kv_cache_dtype" and "kv_quant_state" with InnerQ. ``kv_cache``: ``kv_cache_options`` (default auto).
-
-    ``grammar`` (``engine/grammar/spec.py``) constrains the output: every step's logits are
-    masked, and generation stops when the grammar is complete ("finish_reason": "stop").
-    ``runner``: one sized by ``runner_sizes`` (expert parallelism builds it before the ranks start).
-    """
-    kv_cache = kv_cache or {"kv_cache_dtype": "auto"}
+def check_request(model, prompt: list[int], params: SamplingParams) -> int:
+    """Refuse a prompt or sampling the model cannot run (one-line ValueError); returns prompt + max tokens."""
     vocab = model.config.vocab_size
     if not prompt:
         raise ValueError("prompt is empty: give --prompt-ids or a non-empty --prompt")
@@ -60,6 +55,21 @@ def generate(model, tokenizer, prompt: list[int], params: SamplingParams, stop_a
     if total > max_context:
         raise ValueError(f"--max-tokens {params.max_tokens}: with the {len(prompt)}-token prompt that is {total} "
                          f"tokens, more than the model's context of {max_context}")
+    return total
+
+
+def generate(model, tokenizer, prompt: list[int], params: SamplingParams, stop_at_eos: bool = True,
+             grammar: dict | None = None, kv_cache: dict | None = None,
+             runner: ModelRunner | None = None) -> dict:
+    """Greedy or sampled continuation of ``prompt``; returns {"tokens": [...], "text": str | None}, plus
+    "kv_cache_dtype" and "kv_quant_state" with InnerQ. ``kv_cache``: ``kv_cache_options`` (default auto).
+
+    ``grammar`` (``engine/grammar/spec.py``) constrains the output: every step's logits are
+    masked, and generation stops when the grammar is complete ("finish_reason": "stop").
+    ``runner``: one sized by ``runner_sizes`` (expert parallelism builds it before the ranks start).
+    """
+    kv_cache = kv_cache or {"kv_cache_dtype": "auto"}
+    check_request(model, prompt, params)
     if runner is None:
         kv_blocks, ssm_slots = runner_sizes(len(prompt), params.max_tokens)
         weight = next(model.parameters())   # the caches hold what the weights compute in (bfloat16 too)
@@ -131,6 +141,41 @@ def grammar_from_args(args: argparse.Namespace) -> dict | None:
     return None
 
 
+def generate_speculative(model, tokenizer, prompt: list[int], params: SamplingParams, speculation: str,
+                         num_speculative_tokens: int, stop_at_eos: bool = True,
+                         kv_cache: dict | None = None) -> dict:
+    """As ``generate``, through the scheduler with the ``speculation`` lever set (the speculative step
+    lives there); adds ``"spec": {"drafted", "accepted", "steps"}`` summed over its steps."""
+    total = check_request(model, prompt, params) + num_speculative_tokens + 1  # + a last step's drafts
+    levers = defaults().replace(speculation=speculation, num_speculative_tokens=num_speculative_tokens)
+    rows: list = []
+    weight = next(model.parameters())
+    kv_cache = kv_cache or {"kv_cache_dtype": "auto"}
+    runner = ModelRunner(model, num_kv_blocks=-(-total // 16) + 1, num_ssm_slots=1, device=weight.device,
+                         dtype=weight.dtype, kv_quant=kv_quant_config(kv_cache), kv_budget_bytes=budget_bytes(kv_cache))
+    sched = Scheduler(runner, levers, emit=rows.append)
+    refused = [r.reason for r in rows if isinstance(r, ev.LeverChange) and r.status == "rejected"]
+    if refused:
+        raise ValueError(f"--speculation {speculation}: {refused[0]}")
+    if not stop_at_eos:
+        sched.eos_ids = set()
+    request = sched.submit(0, prompt, params.to_dict())
+    if request.error is not None:
+        raise ValueError(request.error)
+    while sched.has_work:
+        sched.step()
+    if request.error is not None:
+        raise RuntimeError(f"generation failed: {request.error}")
+    steps = [r.detail for r in rows if isinstance(r, ev.GenericEvent) and r.kind == "spec_step"
+             and r.detail["num_drafted"]]
+    eos_ids = {model.eos_token_id} if model.eos_token_id is not None else set()
+    tokens = list(request.output_tokens)
+    text = tokenizer.decode([t for t in tokens if t not in eos_ids]) if tokenizer is not None else None
+    return {"tokens": tokens, "text": text,
+            "spec": {"drafted": sum(d["num_drafted"] for d in steps),
+                     "accepted": sum(d["num_accepted"] for d in steps), "steps": len(steps)}}
+
+
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("generate", help="generate a continuation for one prompt")
     parser.add_argument("--model", default="tiny", help="'tiny' or a local HF checkpoint directory")
@@ -144,6 +189,11 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--seed", type=cli_args.seed, default=None)
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--speculation", choices=SPECULATION_KINDS, default=None,
+                        help='speculative decoding kind; adds "spec": {drafted, accepted, steps} to --json')
+    k = LEVERS_BY_NAME["num_speculative_tokens"]
+    parser.add_argument("--num-speculative-tokens", type=cli_args.bounded_int(*k.bounds), default=k.default,
+                        help=f"drafts per speculative step ({k.describe_range()})")
     parser.add_argument("--json", action="store_true", help='print {"tokens": [...], "text": ...}')
     parser.add_argument("--json-schema", default=None, metavar="FILE", help="constrain the output to this JSON schema")
     parser.add_argument("--regex", default=None, help="constrain the output to match this regex (fully)")
@@ -173,12 +223,20 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             min_p=args.min_p, max_tokens=args.max_tokens, seed=args.seed)
     if args.ep > 1:
+        if args.speculation is not None:
+            raise ValueError("--speculation: not with --ep in generate (serve --ep runs speculation)")
         result = _generate_ep(args, model, tokenizer, prompt, params)
         if isinstance(result, int):  # a rank > 0 under torchrun: it ran the forwards, rank 0 prints
             return result
-    else:
+    elif args.speculation is None:
         result = generate(model, tokenizer, prompt, params, stop_at_eos=not args.ignore_eos,
                           grammar=grammar_from_args(args), kv_cache=kv_cache)
+    else:
+        if grammar_from_args(args) is not None:
+            raise ValueError("--speculation: give no --json-schema, --regex or --choice with it")
+        result = generate_speculative(model, tokenizer, prompt, params, args.speculation,
+                                      args.num_speculative_tokens, stop_at_eos=not args.ignore_eos,
+                                      kv_cache=kv_cache)
     if args.json:
         print(json.dumps(result))
     else:

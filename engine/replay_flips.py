@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.replay_record import RecordedRun, ReplayInputError, is_cut_short
-from engine.scheduler.spec_support import speculation_rejection
+from engine.spec.spec_support import speculation_rejection
 from telemetry.levers import defaults
 
 CUT_REASON = "replay: the recording stopped this request here"
@@ -49,7 +49,10 @@ def cut_where_recorded(sched, cut_lengths: dict[int, int]) -> None:
 
     Called between ticks of a flipped replay (which otherwise runs every request to its end).
     """
-    for request in list(sched.active):
+    # A request the recording cut before its first token may be prefilling here: a prefill's last
+    # chunk samples a token, so it is cancelled before that (as the recording's was).
+    prefilling = [sched.prefilling] if sched.prefilling is not None else []
+    for request in list(sched.active) + prefilling:
         limit = cut_lengths.get(request.request_id)
         if limit is not None and request.num_generated >= limit:
             sched.cancel(request.request_id, CUT_REASON)

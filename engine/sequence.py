@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -16,6 +17,9 @@ class SequenceState:
     block_table: list[int] = field(default_factory=list)
     ssm_slot: int | None = None
     num_cached_tokens: int = 0
+    # The main model's hidden state at the last cached position, waiting for the next token so
+    # the MTP layer can run that row (engine/model/mtp_feed.py); None without MTP history.
+    mtp_hidden: Any = None
 
     @property
     def num_blocks(self) -> int:

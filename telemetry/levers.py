@@ -106,12 +106,23 @@ LEVERS: tuple[Lever, ...] = (
           "histogram, tick duration, ITL p99.",
           bounds=(1, 1 << 20)),
     Lever("speculation", str, "off",
-          "Speculative decoding kind: off, ngram (prompt-lookup drafts verified in one forward), "
-          "mtp (multi-token prediction head), self (self-speculative); the engine refuses a kind "
-          "the loaded model cannot run (Qwen3.5 checkpoints here have no MTP head). A speculative "
-          "step runs at decode width 1 and blocks mixing there. Watch: spec_step events "
-          "(drafted / accepted), blocker speculation in chunks, drafts dropped, tokens/s.",
+          "Speculative decoding kind: off, ngram (prompt-lookup drafts), mtp (the checkpoint's "
+          "multi-token-prediction module; tiny has one, a checkpoint without mtp.* tensors is "
+          "refused with the reason logged), self (early exit after self_draft_layers layers); "
+          "drafts are verified in one forward with exact acceptance. A speculative step runs at "
+          "decode width 1 and blocks mixing there. Watch: acceptance by kind, drafted / accepted "
+          "per tick, blocker speculation in chunks, drafts dropped, tokens/s.",
           choices=SPECULATION_CHOICES),
+    Lever("num_speculative_tokens", int, 2,
+          "Drafts per speculative step (k): the verify forward covers k + 1 rows and a step emits "
+          "1..k+1 tokens. More pays only while acceptance stays high. Watch: acceptance rate, "
+          "tokens per verify step, tokens/s.",
+          bounds=(1, 8)),
+    Lever("self_draft_layers", int, 0,
+          "Layers the self-speculative draft runs before its early exit (then the final norm and "
+          "LM head); 0 = half the model's layers (tiny: 2 of 4). Clamped to the layers minus one. "
+          "Watch: acceptance with self, tokens/s.",
+          bounds=(0, 1024)),
     Lever("no_mtp_minp", bool, False,
           "Disable min-p filtering when sampling under MTP speculation (min_p treated as 0) so "
           "draft acceptance is not cut by min-p. Watch: acceptance / tokens/s with mtp.",
@@ -145,6 +156,8 @@ class LeverValues:
     slice_budget: int = 64
     max_prefill_tokens: int = 256
     speculation: str = "off"
+    num_speculative_tokens: int = 2
+    self_draft_layers: int = 0
     no_mtp_minp: bool = False
     adaptive_sampling: bool = False
     preempt_policy: str = "most_blocks"

@@ -4,7 +4,7 @@ from __future__ import annotations
 import streamlit as st
 
 from dashboard import (api_panel, charts, context, data, engine_panel, heartbeat_view, kv_gauges, live_timeline,
-                       prefix_panel)
+                       prefix_panel, spec_panel)
 from dashboard.context import RunContext
 from dashboard.db import DataUnavailable
 from dashboard.queries_live import MAX_STREAM_EVENTS
@@ -80,6 +80,7 @@ def render(ctx: RunContext) -> None:
     right.plotly_chart(charts.latency_figure(latency), key="live_latency", width="stretch")
     api_panel.render(ctx, end_ns, window_s)
     prefix_panel.render(ctx)
+    spec_panel.render(ctx, window_s)
 
 
 @st.fragment(run_every=BLOCKED_REFRESH_S)

@@ -23,12 +23,15 @@ class InnerQCache:
 
     @classmethod
     def build(cls, layer_ids: list[int], budget_bytes: int, block_size: int, num_kv_heads: int, head_dim: int,
-              config: InnerQConfig, dtype: torch.dtype, device) -> InnerQCache:
+              config: InnerQConfig, dtype: torch.dtype, device,
+              calib_layer_ids: list[int] | None = None) -> InnerQCache:
+        """``calib_layer_ids``: the layers whose keys are calibrated and normalized (default all); the
+        others (an MTP module's, which sees no prefill keys of its own) are quantized unnormalized."""
         config = config.for_head_dim(head_dim)
         manager = ByteBudgetBlockManager(
             budget_bytes, fp_block_bytes(len(layer_ids), block_size, num_kv_heads, head_dim, dtype),
             quant_block_bytes(len(layer_ids), block_size, num_kv_heads, head_dim, config), block_size)
-        calibration = KeyCalibration(layer_ids, num_kv_heads, head_dim, config.calib_tokens, device)
+        calibration = KeyCalibration(layer_ids if calib_layer_ids is None else calib_layer_ids, num_kv_heads, head_dim, config.calib_tokens, device)
         store = QuantKVStore(layer_ids, manager, num_kv_heads, head_dim, config, calibration, dtype, device)
         return cls(manager, store, calibration, config)
 

@@ -64,7 +64,7 @@ class KeyCalibration:
 
     def observe(self, layer_id: int, keys: torch.Tensor) -> None:
         """keys: [T, Hkv, D] post-rotary keys of prefill rows, before any normalization."""
-        if self.state != STATE_CALIBRATING or keys.shape[0] == 0:
+        if self.state != STATE_CALIBRATING or keys.shape[0] == 0 or layer_id not in self._count:
             return
         self._sum_sq[layer_id] += keys.double().square().sum(dim=0)
         self._count[layer_id] += int(keys.shape[0])

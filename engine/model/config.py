@@ -42,6 +42,10 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
+    # The multi-token-prediction module (engine/model/mtp.py): how many MTP decoder layers, and
+    # whether it has its own embeddings (Qwen3.5 shares the main model's; True is refused).
+    mtp_num_hidden_layers: int = 0
+    mtp_use_dedicated_embeddings: bool = False
 
     def __post_init__(self):
         if not self.layer_types:
@@ -70,6 +74,12 @@ class ModelConfig:
             raise ConfigError("config field num_attention_heads must be a multiple of num_key_value_heads")
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ConfigError("config field linear_num_value_heads must be a multiple of linear_num_key_heads")
+        if not isinstance(self.mtp_num_hidden_layers, int) or self.mtp_num_hidden_layers < 0:
+            raise ConfigError(f"config field mtp_num_hidden_layers must be an integer >= 0, "
+                              f"got {self.mtp_num_hidden_layers!r}")
+        if self.mtp_use_dedicated_embeddings:
+            raise ConfigError("config field mtp_use_dedicated_embeddings=true is not supported: the MTP "
+                              "module here shares the main model's embeddings and LM head")
         if self.hidden_act != "silu":
             raise ConfigError(f"config field hidden_act must be 'silu', got {self.hidden_act!r}")
         if self.is_moe:

@@ -16,7 +16,8 @@ from engine.model.config import ModelConfig
 from engine.model.gdn_rule import CHUNK_SIZE, chunked_gated_delta_rule, recurrent_gated_delta_step
 from engine.model.layers import FusedLinear, GatedRMSNorm
 
-__all__ = ["CHUNK_SIZE", "GatedDeltaNet", "SSMCapture", "chunked_gated_delta_rule", "recurrent_gated_delta_step"]
+__all__ = ["CHUNK_SIZE", "GatedDeltaNet", "SSMCapture", "SSMRowStates", "chunked_gated_delta_rule",
+           "recurrent_gated_delta_step"]
 
 
 @dataclass
@@ -29,6 +30,21 @@ class SSMCapture:
     """
 
     num_rows: int
+    conv: dict[int, torch.Tensor] = field(default_factory=dict)
+    recurrent: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class SSMRowStates:
+    """Asks a speculative verify's GDN layers for the prefill sequence's state after EVERY row.
+
+    Hung on the batch as ``batch.ssm_row_states``. Each linear layer runs the segment with the
+    one-token decode step (the rows are few: 1 + drafts) and fills conv ``[R, conv_dim, K-1]``
+    and recurrent ``[R, Hv, Dk, Dv]`` under its linear index: row r holds the state after rows
+    0..r, so a partial acceptance keeps the state of its last accepted row without re-feeding
+    anything (one state per draft position, like vLLM's speculative state slots).
+    """
+
     conv: dict[int, torch.Tensor] = field(default_factory=dict)
     recurrent: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -98,7 +114,11 @@ class GatedDeltaNet(nn.Module):
             q, k, v = (x.transpose(0, 1) for x in self._split_heads(conv_out, repeat_keys=False))  # [H, L, D]
             g_heads, beta_heads = g[:split].t(), beta[:split].t()  # [Hv, L]
             capture = getattr(batch, "ssm_capture", None)
-            if capture is None:
+            row_states = getattr(batch, "ssm_row_states", None)
+            if row_states is not None:
+                out, final = self._prefill_every_row(window, mixed.dtype, g[:split], beta[:split],
+                                                     rec_states[slot], row_states)
+            elif capture is None:
                 out, final = chunked_gated_delta_rule(q, k, v, g_heads, beta_heads, rec_states[slot])
             else:
                 out, final = self._prefill_with_capture(window, q, k, v, g_heads, beta_heads,
@@ -128,6 +148,32 @@ class GatedDeltaNet(nn.Module):
         core = self.norm(core.to(x.dtype), z.view(num_tokens, self.num_v_heads, self.head_v_dim))
         core = core.reshape(num_tokens, self.value_dim)
         return self.fused_out(core) if self.fused_out is not None else self.out_proj(core)
+
+    def _prefill_every_row(self, window: torch.Tensor, dtype: torch.dtype, g: torch.Tensor, beta: torch.Tensor,
+                           state: torch.Tensor, row_states: SSMRowStates) -> tuple[torch.Tensor, torch.Tensor]:
+        """The segment one row at a time with the decode step's arithmetic, keeping every row's state.
+
+        window: [conv_dim, K-1+R]; g, beta: [R, Hv]; state: [Hv, Dk, Dv]. Returns (outputs
+        [Hv, R, Dv], final state). The conv is the decode step's weighted sum over each row's
+        K-wide window, so the rows match what R plain decode steps would compute.
+        """
+        kernel = self.conv_kernel
+        rows = window.shape[1] - (kernel - 1)
+        weight = self.conv1d.weight[:, 0, :]  # [C, K]
+        windows = window.to(dtype).unfold(1, kernel, 1).transpose(0, 1)  # [R, C, K]
+        conv_out = F.silu((windows * weight).sum(-1))  # [R, C]
+        q, k, v = self._split_heads(conv_out)  # [R, H, D]
+        # After row r the conv state holds inputs r+1 .. r+K-1 of the window: [R, C, K-1].
+        row_states.conv[self.linear_index] = windows[:, :, 1:].float().clone()
+        state = state.clone()[None]  # [1, Hv, Dk, Dv]
+        kept = state.new_empty(rows, *state.shape[1:])  # [R, Hv, Dk, Dv]
+        outputs = []
+        for r in range(rows):
+            outputs.append(recurrent_gated_delta_step(q[r:r + 1], k[r:r + 1], v[r:r + 1], g[r:r + 1],
+                                                      beta[r:r + 1], state))  # [1, Hv, Dv]
+            kept[r] = state[0]
+        row_states.recurrent[self.linear_index] = kept
+        return torch.cat(outputs).transpose(0, 1), state[0]
 
     def _prefill_with_capture(self, window: torch.Tensor, q, k, v, g, beta, state: torch.Tensor,
                               capture: SSMCapture) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,6 +9,7 @@ from safetensors import safe_open
 
 from engine.model.config import ConfigError, ModelConfig
 from engine.model.errors import CheckpointError  # noqa: F401  (raised here, imported from here by callers)
+from engine.model.mtp import attach_mtp
 from engine.model.qwen3_5 import Qwen35ForCausalLM
 from engine.model.tokenizer import Tokenizer, load_tokenizer
 
@@ -66,9 +67,35 @@ def _language_model_prefix(stored: dict[str, Path], directory: Path) -> str:
     return candidates[0]
 
 
+MTP_PREFIX = "mtp."  # real Qwen3.5 checkpoints keep the MTP module at the top level, beside model.*
+
+
+def _attach_mtp_if_stored(model: Qwen35ForCausalLM, stored: dict[str, Path]) -> None:
+    """Attach the MTP module when config.json asks for one and the checkpoint holds ``mtp.*`` tensors.
+
+    Without any ``mtp.*`` tensor the model has no head (``mtp_absent_reason`` says why, and the
+    engine refuses ``speculation=mtp`` with it); with some, every one must be there (load_weights
+    names the first missing or mis-shaped tensor).
+    """
+    layers = model.config.mtp_num_hidden_layers
+    if not layers:
+        model.mtp_absent_reason = "config.json declares no MTP module (mtp_num_hidden_layers = 0)"
+    elif not any(name.startswith(MTP_PREFIX) for name in stored):
+        model.mtp_absent_reason = (f"config.json declares mtp_num_hidden_layers = {layers} but the checkpoint "
+                                   "holds no mtp.* tensors")
+    else:
+        attach_mtp(model)
+
+
+def _stored_name(name: str, prefix: str) -> str:
+    """The checkpoint's name for one of our parameters (``prefix`` replaces our ``model.``)."""
+    return prefix + name[len("model."):] if name.startswith("model.") else name
+
+
 def load_weights(model: Qwen35ForCausalLM, directory: Path) -> None:
     stored = _weight_files(directory)
     prefix = _language_model_prefix(stored, directory)
+    _attach_mtp_if_stored(model, stored)
     expected = model.state_dict()
     tied = model.config.tie_word_embeddings
     handles: dict[Path, object] = {}
@@ -90,7 +117,7 @@ def load_weights(model: Qwen35ForCausalLM, directory: Path) -> None:
         for name, target in expected.items():
             if tied and name == "lm_head.weight":
                 continue  # shares storage with embed_tokens
-            stored_name = "lm_head.weight" if name == "lm_head.weight" else prefix + name[len("model."):]
+            stored_name = _stored_name(name, prefix)
             try:
                 tensor = custom(stored_name, read) if custom is not None else None
             except ConfigError as err:

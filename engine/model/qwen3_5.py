@@ -76,6 +76,23 @@ class Qwen35ForCausalLM(nn.Module):
         self.tool_call_start_id: int | None = None
         self.tool_call_end_id: int | None = None
         self.code_fence_id: int | None = None
+        # The MTP module (engine/model/mtp.py), attached by the loader when the checkpoint has one.
+        self.mtp: nn.Module | None = None
+        self.mtp_absent_reason = "no MTP module attached"
+
+    @property
+    def has_mtp_head(self) -> bool:
+        return self.mtp is not None
+
+    @property
+    def has_self_draft(self) -> bool:
+        """Self-speculation drafts with the first layers; it needs at least one layer left to skip."""
+        return self.config.num_hidden_layers >= 2
+
+    @property
+    def kv_layer_ids(self) -> list[int]:
+        """Every layer with paged K/V: the full-attention layers, then the MTP layers."""
+        return self.config.full_attention_layers + (self.mtp.kv_layer_ids if self.mtp is not None else [])
 
     def prefill_tail_split(self, prompt_tokens: int) -> int | None:
         """Where to cut a prompt so its SSM tail state can be checkpointed separately.
@@ -97,18 +114,32 @@ class Qwen35ForCausalLM(nn.Module):
                 layer.self_attn.q_norm.fuse()
                 layer.self_attn.k_norm.fuse()
         self.model.norm.fuse()
+        if self.mtp is not None:
+            self.mtp.fuse()
         # The LM head is the largest single GEMM (vocab x hidden) and runs at decode width.
         self.fused_lm_head = FusedLinear(self.lm_head.weight)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVStore, pool: SSMPool,
-                logits_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Returns logits [R, V] for the rows in ``logits_rows`` (all rows when None)."""
+                logits_rows: torch.Tensor | None = None, *, return_hidden: bool = False,
+                exit_after: int | None = None):
+        """Returns logits [R, V] for the rows in ``logits_rows`` (all rows when None).
+
+        ``return_hidden``: return (logits, hidden [T, H]) with the hidden state of every row after
+        the final norm (what the MTP module reads). ``exit_after=L``: run only the first L layers,
+        then the final norm and the LM head (the self-speculative early-exit draft).
+        """
         x = self.model.embed_tokens(batch.token_ids)  # [T, hidden]
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
-        *body, last = self.model.layers
+        layers = self.model.layers if exit_after is None else self.model.layers[:exit_after]
+        *body, last = layers
         for layer in body:
             x = layer(x, batch, kv, pool, self.rotary, cos, sin)
+        if return_hidden:
+            hidden = self.model.norm(last(x, batch, kv, pool, self.rotary, cos, sin))  # [T, hidden]
+            rows = hidden if logits_rows is None else hidden.index_select(0, logits_rows)
+            head = self.fused_lm_head if self.fused_lm_head is not None else self.lm_head
+            return head(rows).float(), hidden
         # Rows without logits stop after the last mixer: their MLP output would feed nothing.
         x = last(x, batch, kv, pool, self.rotary, cos, sin, keep_rows=logits_rows)  # [R, hidden]
         head = self.fused_lm_head if self.fused_lm_head is not None else self.lm_head

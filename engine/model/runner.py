@@ -11,6 +11,7 @@ from engine.cache.kv_store import KVStore
 from engine.cache.ssm_pool import SSMPool, SSMSnapshot
 from engine.model.batch import ForwardBatch, build_batch
 from engine.model.fault import KIND_DECODE, KIND_MIXED, KIND_PREFILL, ForwardFault
+from engine.model import mtp_feed
 from engine.model.gdn import SSMCapture
 from engine.model.qwen3_5 import Qwen35ForCausalLM
 from engine.model.roofline import ForwardCost, forward_cost
@@ -35,7 +36,8 @@ class ModelRunner:
         self.config = config = model.config
         self.device = torch.device(device)
         self.dtype = dtype
-        layers, kv_heads, head_dim = config.full_attention_layers, config.num_key_value_heads, config.head_dim
+        # The MTP layers (if any) are K/V layers too: same blocks, same block tables.
+        layers, kv_heads, head_dim = list(model.kv_layer_ids), config.num_key_value_heads, config.head_dim
         # Bytes of one full-precision block: ``kv_budget_bytes`` (--kv-cache-mb) is counted in them,
         # and without it an InnerQ cache gets the bytes ``num_kv_blocks`` full-precision blocks take.
         self.fp_block_bytes = fp_block_bytes(len(layers), block_size, kv_heads, head_dim, dtype)
@@ -52,7 +54,7 @@ class ModelRunner:
         else:
             budget = kv_budget_bytes if kv_budget_bytes is not None else num_kv_blocks * self.fp_block_bytes
             self.innerq = InnerQCache.build(layers, budget, block_size, kv_heads, head_dim, kv_quant, dtype,
-                                            self.device)
+                                            self.device, calib_layer_ids=list(config.full_attention_layers))
             self.block_manager = self.innerq.manager
             self.kv_store = self.innerq.store
         self.ssm_pool = SSMPool(num_ssm_slots, len(config.linear_attention_layers), config.conv_dim,
@@ -61,6 +63,8 @@ class ModelRunner:
         # The SSM state a forward captured inside its prefill chunk (``capture_at``), else None.
         self.last_capture: SSMSnapshot | None = None
         self.fault = fault
+        # Keep the MTP layer's K/V in step with every forward (on while speculation = mtp).
+        self.mtp_keep_up = False
         # FLOPs and bytes of the forwards run since the last ``take_forward_cost`` (the tick's roofline).
         self._forward_cost = ForwardCost(0.0, 0.0)
 
@@ -115,10 +119,12 @@ class ModelRunner:
             seq.ssm_slot = self.ssm_pool.allocate()
         else:
             self.ssm_pool.zero(seq.ssm_slot)
+        seq.mtp_hidden = None
 
     def release(self, seq: SequenceState) -> None:
         """Free the sequence's KV blocks and SSM slot."""
         self.block_manager.free(seq)
+        seq.mtp_hidden = None
         if seq.ssm_slot is not None:
             self.ssm_pool.free(seq.ssm_slot)
             seq.ssm_slot = None
@@ -214,16 +220,54 @@ class ModelRunner:
         self.kv_store.begin_forward(batch.num_prefill_tokens)  # InnerQ calibrates on prefill keys
         try:
             if self.fault is None:
-                return self.model(batch, self.kv_store, self.ssm_pool, row_ids)
+                return self._model_and_mtp(batch, row_ids, prefill_seq, decode_seqs)
             kind = KIND_DECODE if prefill_seq is None else KIND_MIXED if decode_seqs else KIND_PREFILL
             ids = [s.request_id for s in ([prefill_seq] if prefill_seq is not None else []) + decode_seqs]
             with self.fault.armed(self.model, kind, ids):
-                return self.model(batch, self.kv_store, self.ssm_pool, row_ids)
+                return self._model_and_mtp(batch, row_ids, prefill_seq, decode_seqs)
         except Exception:
             self._undo_allocation(grown)
             raise
         finally:
             self.kv_store.begin_forward(0)  # a forward built elsewhere (verify) is not a prefill
+
+    def _model_and_mtp(self, batch: ForwardBatch, row_ids: torch.Tensor, prefill_seq: SequenceState | None,
+                       decode_seqs: list[SequenceState]) -> torch.Tensor:
+        if not (self.mtp_keep_up and self.model.has_mtp_head):
+            return self.model(batch, self.kv_store, self.ssm_pool, row_ids)
+        logits, hidden = self.model(batch, self.kv_store, self.ssm_pool, row_ids, return_hidden=True)
+        mtp_feed.keep_up(self.model, self.kv_store, self.kv_block_size, batch, hidden, prefill_seq, decode_seqs)
+        return logits
+
+    # ---- drafts (speculative decoding) ---------------------------------------------------------
+    def mtp_draft(self, seq: SequenceState, token: int, num_drafts: int) -> list[int]:
+        """Greedy MTP drafts after ``token``; the blocks up to cached + num_drafts must be allocated."""
+        return mtp_feed.draft(self.model, self.kv_store, self.kv_block_size, seq, token, num_drafts)
+
+    def mtp_keep_up_segment(self, seq: SequenceState, tokens: list[int], start: int, hidden: torch.Tensor) -> None:
+        """MTP rows for a kept verify segment (``tokens`` at positions start.., main hidden [n, H])."""
+        mtp_feed.keep_up_segment(self.model, self.kv_store, self.kv_block_size, seq, tokens, start, hidden)
+
+    @torch.inference_mode()
+    def self_draft(self, seq: SequenceState, token: int, num_drafts: int, num_layers: int) -> list[int]:
+        """Greedy drafts from the first ``num_layers`` layers (early exit), one token at a time.
+
+        The draft rows write those layers' K/V at positions cached.. (the verify rewrites them)
+        and advance their SSM state, which is put back afterwards. The blocks up to
+        cached + num_drafts must be allocated.
+        """
+        snapshot = self.ssm_pool.snapshot(self._slot(seq))
+        drafts: list[int] = []
+        try:
+            for step in range(num_drafts):
+                batch = build_batch(None, [(token, seq.num_cached_tokens + step, seq.block_table, seq.ssm_slot)],
+                                    self.kv_block_size, self.device)
+                logits = self.model(batch, self.kv_store, self.ssm_pool, exit_after=num_layers)  # [1, V]
+                token = int(logits[0].argmax())
+                drafts.append(token)
+        finally:
+            self.ssm_pool.restore(snapshot, seq.ssm_slot)
+        return drafts
 
     def _capture_snapshot(self, capture: SSMCapture, seq: SequenceState) -> SSMSnapshot:
         """Stack the per-layer captured states into the pool's snapshot layout."""

@@ -15,17 +15,20 @@ import torch
 from safetensors.torch import save_file
 
 from engine.model.config import ModelConfig
+from engine.model.mtp import attach_mtp
+from engine.model.mtp_train import DistillSettings, distill
 from engine.model.qwen3_5 import Qwen35ForCausalLM
 from engine.model.tokenizer import CHAT_TOKENS, EOS, SPECIAL_TOKENS, build_byte_tokenizer
 
-TINY_VERSION = 3  # bump when the config or the init changes, so caches are rebuilt
+TINY_VERSION = 4  # bump when the config or the init changes, so caches are rebuilt
 TINY_SEED = 1234
 TINY_CONFIG = ModelConfig(
     vocab_size=272, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
     num_attention_heads=4, num_key_value_heads=2, head_dim=32,
     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
-    linear_conv_kernel_dim=4, tie_word_embeddings=False, eos_token_id=256,
+    linear_conv_kernel_dim=4, tie_word_embeddings=False, eos_token_id=256, mtp_num_hidden_layers=1,
 )
+TINY_MTP = DistillSettings(seed=TINY_SEED)  # the MTP layer's self-distillation (engine/model/mtp_train.py)
 MARKER = "chunkscope_tiny.json"
 
 
@@ -46,6 +49,13 @@ def random_init(model: Qwen35ForCausalLM, seed: int) -> None:
                 param.copy_(0.1 * torch.randn(param.shape, generator=generator))
             else:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+
+
+def train_tiny_mtp(model: Qwen35ForCausalLM) -> list[float]:
+    """The MTP layer: seeded init, then self-distillation on the model's own greedy continuations."""
+    mtp = attach_mtp(model)
+    random_init(mtp, TINY_SEED + 1)
+    return distill(model, mtp, TINY_MTP)
 
 
 def write_checkpoint(model: Qwen35ForCausalLM, directory: Path) -> None:
@@ -69,6 +79,7 @@ def ensure_tiny_checkpoint() -> Path:
         torch.manual_seed(TINY_SEED)
         model = Qwen35ForCausalLM(TINY_CONFIG)
         random_init(model, TINY_SEED)
+        train_tiny_mtp(model)
         write_checkpoint(model, staging)
         build_byte_tokenizer().save(str(staging / "tokenizer.json"))
         (staging / MARKER).write_text(json.dumps(_marker()))
@@ -88,7 +99,7 @@ def ensure_tiny_checkpoint() -> Path:
 def _marker() -> dict:
     """What the cached checkpoint was built from: a change to any of it rebuilds the cache."""
     return {"version": TINY_VERSION, "seed": TINY_SEED, "eos": EOS, "special_tokens": [*SPECIAL_TOKENS, *CHAT_TOKENS],
-            "config": TINY_CONFIG.to_hf_dict()}
+            "config": TINY_CONFIG.to_hf_dict(), "mtp": TINY_MTP.to_dict()}
 
 
 def _is_current(marker: Path) -> bool:

@@ -5,13 +5,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.scheduler import forward_failure, grammar_step, logprobs, outputs, room, spec_step
+from engine.scheduler import forward_failure, grammar_step, logprobs, outputs, room
 from engine.scheduler.adaptive import params_for_row
 from engine.scheduler.mixing import decode_order
 from engine.scheduler.preempt import VictimCandidate, choose_victim as pick_victim
 from engine.scheduler.request import Request
 from engine.scheduler.sampling import effective_min_p, sample_next
-from engine.streams import STREAM_DEFAULT
+from engine.spec import spec_step
+from engine.streams import EVENT_SECONDARY_DONE, STREAM_DEFAULT
 from telemetry import events as ev
 
 if TYPE_CHECKING:
@@ -47,6 +48,9 @@ def _forward_and_sample(sched: Scheduler, waiting_rows: list[Request]) -> int:
     batch = [a for a in order_batch(sched) if a not in waiting_rows]
     if not batch:
         return 0
+    if any(a.pending_drafts for a in batch):
+        # A speculative step drafted on the secondary stream (MTP K/V, a self draft's SSM restore).
+        sched.streams.wait(STREAM_DEFAULT, EVENT_SECONDARY_DONE)
     with sched.streams.use(STREAM_DEFAULT):
         logits = sched.runner.decode([a.seq for a in batch], [a.last_token for a in batch])
     process_logits(sched, batch, logits)

@@ -20,8 +20,9 @@ from engine.request_features import RequestFeatures
 from engine.scheduler import decode_step, grammar_step, prefill_step, prefix_step
 from engine.scheduler.adaptive import StructureTokens, region_of
 from engine.scheduler.admission import RequestRejected, check_prompt, parse_sampling
+from engine.scheduler.mixing import SPEC_MTP
 from engine.scheduler.request import Request
-from engine.scheduler.spec_support import speculation_rejection
+from engine.spec.spec_support import speculation_rejection
 from engine.streams import EVENT_PREFILL_DONE, STREAM_DEFAULT, STREAM_PREFILL, StreamSet
 from telemetry import events as ev
 from telemetry.levers import LeverValues
@@ -68,6 +69,7 @@ class Scheduler:
         self.grammars = None                  # engine.grammar.compiler.GrammarCompiler (engine_setup attaches it)
         self.grammar_stats = MaskStats()      # this tick's constrained rows and mask time
         self.levers = self._refuse_unsupported(levers, "off", source="init", version=None)
+        runner.mtp_keep_up = self.levers.speculation == SPEC_MTP
 
     def mark_done(self, requests) -> None:
         self.done.extend(requests)
@@ -112,6 +114,8 @@ class Scheduler:
         self.levers = values
         if "kv_blocks_cap" in changes:
             self.runner.block_manager.set_cap(values.kv_blocks_cap or None)
+        # The MTP layer follows every forward only while it drafts (its K/V costs a layer's work).
+        self.runner.mtp_keep_up = values.speculation == SPEC_MTP
         for name, (old, new) in changes.items():
             self.emit(ev.LeverChange(tick=self.tick, t_ns=self.now_ns(), name=name, old=old, new=new,
                                      source=source, status="applied", file_version=version))

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -51,11 +50,10 @@ class Request:
     grammar_ready_tick: int | None = None   # the tick it was seen compiled (a replay waits for it)
     grammar_valid: bool | None = None       # the ended output is a complete sentence of the grammar
     pending_drafts: list[int] = field(default_factory=list)
-    # Left by the last speculative step for the next one (engine/scheduler/spec_step.py): the
-    # cached-token count the drafts were proposed at, and the SSM state there (a copy made on
-    # the secondary stream). Stale once any other forward advances the sequence.
+    # Left by the last speculative step for the next one (engine/spec/spec_step.py): the
+    # cached-token count the drafts were proposed at (made on the secondary stream). Stale
+    # once any other forward advances the sequence.
     pending_drafts_at: int | None = None
-    pending_snapshot: Any = None
     region: Region = field(default_factory=Region)   # inside a code fence / tool call (adaptive sampling)
     sampling_record: dict | None = None               # the sampling as stored (built once: params never change)
     features_record: dict | None = None               # the features as stored (built once)
@@ -73,10 +71,9 @@ class Request:
             self.generator = torch.Generator().manual_seed(int(self.params.seed))
 
     def clear_pending_drafts(self) -> None:
-        """Forget the drafts of the last speculative step and the SSM copy kept for them."""
+        """Forget the drafts of the last speculative step."""
         self.pending_drafts = []
         self.pending_drafts_at = None
-        self.pending_snapshot = None
 
     @property
     def prompt_len(self) -> int:

@@ -51,10 +51,18 @@ def test_reading_the_file_does_not_count_as_a_change(tmp_path):
         watcher.stop()
 
 
-def test_a_lever_the_engine_refuses_is_rejected_once_per_file_version(tiny, tmp_path):
+@pytest.fixture(scope="module")
+def no_mtp_model(hf_checkpoint):
+    """A checkpoint without mtp.* tensors (transformers writes none): it refuses speculation=mtp."""
+    model, _, _ = load_model(hf_checkpoint("base")[1])
+    assert not model.has_mtp_head
+    return model
+
+
+def test_a_lever_the_engine_refuses_is_rejected_once_per_file_version(no_mtp_model, tmp_path):
     path = tmp_path / "levers.json"
     rows: list = []
-    sched = Scheduler(ModelRunner(tiny, num_kv_blocks=32, num_ssm_slots=2), defaults(), emit=rows.append)
+    sched = Scheduler(ModelRunner(no_mtp_model, num_kv_blocks=32, num_ssm_slots=2), defaults(), emit=rows.append)
     watcher = LeverWatcher(path, defaults())
     try:
         write_levers_file(path, 1, defaults().replace(speculation="mtp"))

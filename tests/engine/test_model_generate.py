@@ -89,3 +89,27 @@ def test_module_entry_point_runs_as_subprocess(tmp_path_factory):
     bad = subprocess.run([sys.executable, "-m", "engine", "generate", "--max-tokens", "nope"],
                          capture_output=True, text=True, timeout=120, env={"OMP_NUM_THREADS": "1"})
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("kind", ["off", "ngram", "mtp", "self"])
+def test_speculation_adds_spec_counts_and_keeps_the_tokens(capsys, kind):
+    base = ["--prompt-ids", "40,41,42,43,40,41,42,43", "--max-tokens", "24", "--json", "--ignore-eos"]
+    plain = json.loads(run_cli(capsys, *base)[1])
+    code, out, err = run_cli(capsys, *base, "--speculation", kind, "--num-speculative-tokens", "3")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["tokens"] == plain["tokens"]
+    spec = result["spec"]
+    assert set(spec) == {"drafted", "accepted", "steps"}
+    if kind == "off":
+        assert spec == {"drafted": 0, "accepted": 0, "steps": 0}
+    else:
+        assert spec["steps"] > 0 and 0 <= spec["accepted"] <= spec["drafted"] <= 3 * spec["steps"]
+
+
+def test_speculation_bad_k_is_one_line_exit_2(capsys):
+    with pytest.raises(SystemExit) as exited:  # an argparse error
+        run_cli(capsys, "--prompt-ids", "1,2", "--speculation", "mtp", "--num-speculative-tokens", "9")
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert "--num-speculative-tokens" in err and "[1, 8]" in err

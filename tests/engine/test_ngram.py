@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from engine.scheduler.ngram import propose_drafts
+from engine.spec.ngram import propose_drafts
 
 
 @pytest.mark.parametrize("tokens, kwargs, expected", [

@@ -14,7 +14,9 @@ import pytest
 from engine.__main__ import main
 from engine.model.loader import load_model
 from engine.model.runner import ModelRunner
+from engine import replay_flips
 from engine.replay import load_input, replay_run
+from engine.replay_record import ReplayInputError
 from engine.replay_compare import compare
 from engine.scheduler.loop import Scheduler
 from telemetry.bundle_export import export_bundle
@@ -254,9 +256,15 @@ def test_a_flipped_replay_stops_each_request_where_the_recording_did(served, rec
     assert report["statuses_identical"] and report["tokens_identical"]
 
 
-def test_a_flip_the_model_cannot_honour_is_refused(served, capsys):
-    status, out, err = run_cli(capsys, str(served.bundle), "--flip", "speculation=mtp")
-    assert status == 2 and out == ""
-    assert err.strip().splitlines() == [
-        "error: --flip speculation=mtp: speculation=mtp needs a multi-token-prediction head; "
-        "the loaded model has none"]
+def test_a_flip_the_model_cannot_honour_is_refused(served, hf_checkpoint, capsys):
+    # tiny has an MTP module; a checkpoint without mtp.* tensors (transformers writes none) has not.
+    no_mtp, _, _ = load_model(hf_checkpoint("base")[1])
+    with pytest.raises(ReplayInputError) as refused:
+        replay_flips.check_model_can_honour({"speculation": "mtp"}, no_mtp)
+    assert str(refused.value).startswith("--flip speculation=mtp: speculation=mtp needs a multi-token-prediction "
+                                         "head; the loaded model has none (config.json declares no MTP module")
+    tiny, _, _ = load_model("tiny")
+    replay_flips.check_model_can_honour({"speculation": "mtp"}, tiny)  # no error: tiny drafts with its MTP
+    capsys.readouterr()  # building the checkpoint above printed progress
+    status, out, err = run_cli(capsys, str(served.bundle), "--flip", "speculation=eagle")
+    assert status == 2 and out == "" and len(err.strip().splitlines()) == 1 and "speculation" in err

@@ -1,6 +1,7 @@
-"""speculation=ngram on the tiny model: same tokens as off, real drafts, exact roll-back, honest telemetry.
+"""speculation=ngram on the tiny model: same tokens as off, real drafts, exact keep (no re-feed), honest telemetry.
 
-Also: mtp / self are refused at lever time (the model has no head for them).
+Also: mtp is refused at lever time on a checkpoint without an MTP module.
+(mtp and self against off: tests/engine/test_spec_identity.py.)
 """
 from __future__ import annotations
 
@@ -10,17 +11,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.model import verify
 from engine.model.loader import load_model
 from engine.model.runner import ModelRunner
-from engine.scheduler import spec_step
 from engine.scheduler.loop import Scheduler
 from engine.scheduler.sampling import SamplingParams, sample_next
-from engine.scheduler.spec_support import speculation_rejection
+from engine.spec import spec_step, verify
+from engine.spec.spec_support import speculation_rejection
 from telemetry import events as ev
 from telemetry.levers import defaults
 
-NGRAM = defaults().replace(speculation="ngram")
+NGRAM = defaults().replace(speculation="ngram", num_speculative_tokens=4)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,7 @@ def test_greedy_tokens_identical_to_off_and_drafts_really_accepted(tiny):
     assert any(d["rolled_back"] for d in details), "no partial acceptance was rolled back"
     assert any(d["reused_pending"] for d in details), "pending drafts were never used"
     for d in details:
-        assert 0 <= d["num_accepted"] <= d["num_drafted"] <= spec_step.NUM_DRAFTS
+        assert 0 <= d["num_accepted"] <= d["num_drafted"] <= NGRAM.num_speculative_tokens
         assert d["num_emitted"] <= d["num_accepted"] + 1
         assert d["rolled_back"] == (d["num_accepted"] < d["num_drafted"] and d["num_emitted"] == d["num_accepted"] + 1)
 
@@ -111,28 +111,29 @@ def test_ticks_say_decode_and_count_the_verify_rows(tiny):
         assert ticks[r.tick].num_decode_tokens == r.detail["num_drafted"] + 1
 
 
-def test_verify_then_roll_back_leaves_the_caches_of_plain_decodes(tiny):
+@pytest.mark.parametrize("num_kept", [1, 2, 4])
+def test_verify_then_keep_leaves_the_caches_of_plain_decodes(tiny, num_kept):
     prompt = repetitive_prompt(1, 37)
-    tokens = [11, 22, 33, 44]  # fed token, then three drafts; keep the first two rows
+    tokens = [11, 22, 33, 44]  # fed token, then three drafts; keep the first num_kept rows
 
     def prefilled():
         runner = ModelRunner(tiny, num_kv_blocks=64, num_ssm_slots=2, block_size=4)
-        seq = SimpleNamespace(request_id=0, block_table=[], ssm_slot=None, num_cached_tokens=0)
+        seq = SimpleNamespace(request_id=0, block_table=[], ssm_slot=None, num_cached_tokens=0, mtp_hidden=None)
         runner.admit(seq)
         runner.prefill_chunk(seq, prompt, 0, len(prompt), True)
         return runner, seq
 
     plain, seq_a = prefilled()
-    decode_logits = [plain.decode([seq_a], [t])[0] for t in tokens[:2]]  # [V] each
+    decode_logits = [plain.decode([seq_a], [t])[0] for t in tokens[:num_kept]]  # [V] each
     spec, seq_b = prefilled()
-    start, snapshot = seq_b.num_cached_tokens, spec.ssm_pool.snapshot(seq_b.ssm_slot)
-    logits = verify.verify_forward(spec, seq_b, tokens)  # [4, V]
-    assert logits.shape == (4, spec.vocab_size)
-    for row in range(2):
-        torch.testing.assert_close(logits[row], decode_logits[row], rtol=1e-4, atol=1e-4)
+    start = seq_b.num_cached_tokens
+    verified = verify.verify_forward(spec, seq_b, tokens)
+    assert verified.logits.shape == (4, spec.vocab_size) and verified.start == start
+    for row in range(num_kept):
+        torch.testing.assert_close(verified.logits[row], decode_logits[row], rtol=1e-4, atol=1e-4)
     assert spec.block_manager.num_used == spec.block_manager.num_blocks_for(start + 4)
-    verify.roll_back(spec, seq_b, snapshot, start, tokens[:2])
-    assert seq_b.num_cached_tokens == seq_a.num_cached_tokens == start + 2
+    verify.keep(spec, seq_b, verified, num_kept)
+    assert seq_b.num_cached_tokens == seq_a.num_cached_tokens == start + num_kept
     assert len(seq_b.block_table) == len(seq_a.block_table)
     assert spec.block_manager.num_used == plain.block_manager.num_used  # the rejected-only block is free
     torch.testing.assert_close(spec.ssm_pool.recurrent[:, seq_b.ssm_slot],
@@ -140,6 +141,8 @@ def test_verify_then_roll_back_leaves_the_caches_of_plain_decodes(tiny):
     torch.testing.assert_close(spec.ssm_pool.conv[:, seq_b.ssm_slot], plain.ssm_pool.conv[:, seq_a.ssm_slot])
     torch.testing.assert_close(spec.decode([seq_b], [77]), plain.decode([seq_a], [77]), rtol=1e-4, atol=1e-4)
     spec.block_manager.check_invariants()
+    with pytest.raises(ValueError, match="at least the fed token"):
+        verify.keep(spec, seq_b, verified, 0)
 
 
 def _one_hot_rows(picks, vocab):
@@ -175,14 +178,16 @@ def test_sampled_acceptance_draws_once_per_emitted_token_in_order(tiny):
 
 def test_draft_budget_respects_max_tokens_context_and_free_blocks():
     req = SimpleNamespace(params=SamplingParams(max_tokens=10), num_generated=7, prompt_len=5)
-    assert spec_step.draft_budget(req, max_context=100, num_free_blocks=9, blocks_for_tokens=lambda n: 0) == 2
+    budget = lambda **kw: spec_step.draft_budget(req, num_drafts=4, **kw)  # noqa: E731
+    assert budget(max_context=100, num_free_blocks=9, blocks_for_tokens=lambda n: 0) == 2
     req.num_generated = 9
-    assert spec_step.draft_budget(req, max_context=100, num_free_blocks=9, blocks_for_tokens=lambda n: 0) == 0
+    assert budget(max_context=100, num_free_blocks=9, blocks_for_tokens=lambda n: 0) == 0
     req.num_generated = 0
-    assert spec_step.draft_budget(req, max_context=8, num_free_blocks=9, blocks_for_tokens=lambda n: 0) == 2
+    assert budget(max_context=8, num_free_blocks=9, blocks_for_tokens=lambda n: 0) == 2
+    assert spec_step.draft_budget(req, num_drafts=1, max_context=100, num_free_blocks=9,
+                                  blocks_for_tokens=lambda n: 0) == 1  # the lever caps it
     # One free block, and caching more than 3 tokens needs a second one.
-    assert spec_step.draft_budget(req, max_context=100, num_free_blocks=1,
-                                  blocks_for_tokens=lambda n: 1 if n <= 3 else 2) == 2
+    assert budget(max_context=100, num_free_blocks=1, blocks_for_tokens=lambda n: 1 if n <= 3 else 2) == 2
 
 
 def test_pending_drafts_are_dropped_with_a_secondary_sync_before_a_mixed_forward(tiny):
@@ -211,7 +216,7 @@ def test_pending_drafts_are_dropped_with_a_secondary_sync_before_a_mixed_forward
     assert blocked[0].mix_blocker == ev.BLOCK_SPECULATION  # b prefilled next to a lone speculative decode
 
 
-def test_dropped_drafts_take_their_ssm_copy_with_them(tiny):
+def test_dropped_drafts_leave_nothing_pending(tiny):
     a = (0, repetitive_prompt(5), {"max_tokens": 60})
     b = (1, [7, 8, 9, 10, 11], {"max_tokens": 30})
     c = (2, [random.Random(2).randrange(256) for _ in range(300)], {"max_tokens": 4})
@@ -221,40 +226,47 @@ def test_dropped_drafts_take_their_ssm_copy_with_them(tiny):
     runner = ModelRunner(tiny, num_kv_blocks=256, num_ssm_slots=4)
     sched = Scheduler(runner, NGRAM, emit=rows.append)
     pending = {0: [a], t: [b], t + 2: [c]}
-    held_copy = False
+    held = False
     while not any(isinstance(r, ev.GenericEvent) and r.kind == "drafts_dropped" for r in rows):
         for request in pending.pop(sched.tick, []):
             sched.submit(*request)
-        held_copy |= any(r.pending_snapshot is not None for r in sched.active)
+        held |= any(r.pending_drafts for r in sched.active)
         assert sched.step()
-    assert held_copy, "a speculative step must have left drafts and their SSM copy"
-    # Right after the mixed tick that dropped the drafts: no SSM copy outlives them.
-    assert all(r.pending_snapshot is None and r.pending_drafts_at is None and not r.pending_drafts
-               for r in sched.active)
+    assert held, "a speculative step must have left drafts"
+    # Right after the mixed tick that dropped the drafts: nothing of them is left.
+    assert all(r.pending_drafts_at is None and not r.pending_drafts for r in sched.active)
     while sched.has_work:
         sched.step()
-    assert all(r.pending_snapshot is None for r in sched.done)  # nor an ended request
+    assert all(not r.pending_drafts for r in sched.done)  # nor on an ended request
 
 
-@pytest.mark.parametrize("kind, words", [("mtp", "multi-token-prediction head"),
-                                         ("self", "self-speculative draft path")])
-def test_unsupported_kinds_are_rejected_and_the_previous_value_kept(tiny, kind, words):
+@pytest.fixture(scope="module")
+def no_mtp_model(hf_checkpoint):
+    """A checkpoint without any mtp.* tensor (transformers writes none)."""
+    model, _, _ = load_model(hf_checkpoint("base")[1])
+    return model
+
+
+def test_mtp_is_rejected_without_an_mtp_module_and_the_previous_value_kept(no_mtp_model):
     rows: list = []
-    sched = Scheduler(ModelRunner(tiny, num_kv_blocks=8, num_ssm_slots=1), NGRAM, emit=rows.append)
-    changes = sched.apply_levers(sched.levers.replace(speculation=kind, kv_blocks_cap=6), source="file", version=3)
+    sched = Scheduler(ModelRunner(no_mtp_model, num_kv_blocks=8, num_ssm_slots=1), NGRAM, emit=rows.append)
+    changes = sched.apply_levers(sched.levers.replace(speculation="mtp", kv_blocks_cap=6), source="file", version=3)
     assert sched.levers.speculation == "ngram" and sched.levers.kv_blocks_cap == 6
     assert changes == {"kv_blocks_cap": (0, 6)}
     rejected = [r for r in rows if isinstance(r, ev.LeverChange) and r.status == "rejected"]
     assert len(rejected) == 1
     row = rejected[0]
-    assert (row.name, row.old, row.new, row.source, row.file_version) == ("speculation", "ngram", kind, "file", 3)
-    assert f"speculation={kind} needs a {words}" in row.reason and "the loaded model has none" in row.reason
-    assert sched.apply_levers(sched.levers.replace(speculation="off"), source="file") == {"speculation": ("ngram", "off")}
+    assert (row.name, row.old, row.new, row.source, row.file_version) == ("speculation", "ngram", "mtp", "file", 3)
+    assert "speculation=mtp needs a multi-token-prediction head" in row.reason
+    assert "the loaded model has none (config.json declares no MTP module" in row.reason
+    assert sched.apply_levers(sched.levers.replace(speculation="self"), source="file") == \
+        {"speculation": ("ngram", "self")}  # an early exit needs no extra weights
+    assert not sched.runner.mtp_keep_up
 
 
-def test_unsupported_kind_at_start_falls_back_to_off(tiny):
+def test_unsupported_kind_at_start_falls_back_to_off(no_mtp_model):
     rows: list = []
-    sched = Scheduler(ModelRunner(tiny, num_kv_blocks=8, num_ssm_slots=1),
+    sched = Scheduler(ModelRunner(no_mtp_model, num_kv_blocks=8, num_ssm_slots=1),
                       defaults().replace(speculation="mtp"), emit=rows.append)
     assert sched.levers.speculation == "off"
     assert [(r.name, r.status, r.source) for r in rows if isinstance(r, ev.LeverChange)] == \
@@ -267,5 +279,6 @@ def test_speculation_rejection_is_about_the_model():
     assert speculation_rejection("mtp", SimpleNamespace(has_mtp_head=True)) is None
     assert speculation_rejection("self", SimpleNamespace(has_self_draft=True)) is None
     assert speculation_rejection("mtp", SimpleNamespace(has_self_draft=True)) is not None
+    assert "self-speculative draft path" in speculation_rejection("self", SimpleNamespace(has_mtp_head=True))
     with pytest.raises(ValueError, match="speculation"):
         speculation_rejection("eagle", SimpleNamespace())

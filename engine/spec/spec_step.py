@@ -1,8 +1,9 @@
-"""The speculative decode step (``speculation = ngram``): draft, verify in one forward, keep what matches.
+"""The speculative decode step (``speculation`` = ngram, mtp or self): draft, verify in one forward, keep what matches.
 
 It runs where the reference's speculative step runs: a decode tick with exactly
 one active sequence (the width where ``mixing.mixing_blocked_by_spec`` blocks
-mixing). With more sequences the decode is a plain batched one.
+mixing). With more sequences the decode is a plain batched one. Drafts come
+from ``drafts.py`` (k = the ``num_speculative_tokens`` lever).
 
 Acceptance rule (exact-match against the request's own sampler): the verify
 forward gives logits at every row of [last, d1..dk]. For i = 0, 1, ... the
@@ -16,13 +17,18 @@ output and a seeded sampled run are token-identical to speculation off (up to
 float differences between the verify and decode kernels). For sampled rows
 this is a valid speculative sampler: a draft is accepted with probability
 p(d), and the emitted token on rejection is distributed as p conditioned on
-"not d" — the standard rule for a point-mass (n-gram) draft.
+"not d" — the standard rule for a point-mass draft (every source here drafts
+greedily). Under ``mtp`` with ``no_mtp_minp`` on, min-p is not applied (the
+event row says so with ``min_p_off``).
 
-Pending drafts: after a step, the next drafts are proposed at once and the SSM
-state copy that the next verify rolls back to is made on the secondary stream
-(recorded as ``secondary_done``). If the next forward of this sequence is a
-mixed one, prefill_step drops the drafts and syncs the secondary stream (the
-reference's rule); if it is another speculative step it reuses both.
+After the verify, ``verify.keep`` keeps the state of the last accepted row (no
+re-feed); under ``mtp`` the kept rows also feed the MTP layer (its K/V and the
+hidden state its next draft starts from).
+
+Pending drafts: after a step, the next drafts are proposed at once, on the
+secondary stream (recorded as ``secondary_done``). If the next forward of this
+sequence is a mixed one, prefill_step drops the drafts and syncs the secondary
+stream (the reference's rule); if it is another speculative step it reuses them.
 """
 from __future__ import annotations
 
@@ -30,36 +36,35 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.model import verify
 from engine.scheduler import grammar_step, logprobs, outputs
 from engine.scheduler.adaptive import advance, params_for_row
-from engine.scheduler.mixing import SPEC_NGRAM
-from engine.scheduler.ngram import propose_drafts
+from engine.scheduler.mixing import SPEC_MTP, is_speculative
 from engine.scheduler.request import Request
 from engine.scheduler.sampling import effective_min_p, sample_next
+from engine.spec import drafts as drafts_source
+from engine.spec import verify
 from engine.streams import EVENT_SECONDARY_DONE, STREAM_DEFAULT, STREAM_SECONDARY
 from telemetry import events as ev
 
 if TYPE_CHECKING:
     from engine.scheduler.loop import Scheduler
 
-NUM_DRAFTS = 4          # drafts per step (k): verify rows = k + 1
-MAX_NGRAM, MIN_NGRAM = 3, 1
-EVENT_VERIFY_DONE = "verify_done"   # default stream finished the step; the state copy may start
+EVENT_VERIFY_DONE = "verify_done"   # default stream finished the step; the next drafts may start
 
 
 def applies(sched: Scheduler) -> bool:
     """Does this decode tick run the speculative step?"""
-    return sched.levers.speculation == SPEC_NGRAM and len(sched.active) == 1
+    return is_speculative(sched.levers.speculation) and len(sched.active) == 1
 
 
-def draft_budget(req: Request, *, max_context: int, num_free_blocks: int, blocks_for_tokens) -> int:
+def draft_budget(req: Request, *, num_drafts: int, max_context: int, num_free_blocks: int,
+                 blocks_for_tokens) -> int:
     """How many drafts this step may verify: within max_tokens, the context and the free KV blocks.
 
     A step emits up to k+1 tokens and caches k+1 positions. ``blocks_for_tokens(n)`` is the number
     of new blocks caching n more tokens of this sequence needs.
     """
-    budget = min(NUM_DRAFTS, req.params.max_tokens - req.num_generated - 1,
+    budget = min(num_drafts, req.params.max_tokens - req.num_generated - 1,
                  max_context - (req.prompt_len + req.num_generated) - 1)
     while budget > 0 and blocks_for_tokens(budget + 1) > num_free_blocks:
         budget -= 1
@@ -70,18 +75,16 @@ def run(sched: Scheduler) -> int | None:
     """One speculative step for the single active request; tokens computed, or None to decode plainly."""
     req = sched.active[0]
     runner, seq = sched.runner, req.seq
-    bm = runner.block_manager
-    history = req.prompt_tokens + req.output_tokens
+    kind = sched.levers.speculation
     fed = req.last_token                # the token this step feeds in (not cached yet)
     is_pending_valid = bool(req.pending_drafts) and req.pending_drafts_at == seq.num_cached_tokens
     num_stale = 0 if is_pending_valid else len(req.pending_drafts)
-    drafts = list(req.pending_drafts) if is_pending_valid else propose_drafts(
-        history, max_ngram=MAX_NGRAM, min_ngram=MIN_NGRAM, num_drafts=NUM_DRAFTS)
-    snapshot = req.pending_snapshot if is_pending_valid else None
+    budget = _budget(sched, req)
+    if req.pending_drafts:
+        # The drafts were made on the secondary stream; what follows reads what they wrote.
+        sched.streams.wait(STREAM_DEFAULT, EVENT_SECONDARY_DONE)
+    drafts = list(req.pending_drafts)[:budget] if is_pending_valid else _propose(sched, req, budget)
     req.clear_pending_drafts()
-    budget = draft_budget(req, max_context=sched.max_context, num_free_blocks=bm.num_free,
-                          blocks_for_tokens=lambda n: bm.num_new_blocks(seq, n))
-    drafts = drafts[:budget]
     if req.grammar is not None:
         # Drafts the grammar refuses could never be emitted: do not spend verify rows on them.
         drafts = drafts[:req.grammar.num_valid_prefix(drafts)]
@@ -91,31 +94,40 @@ def run(sched: Scheduler) -> int | None:
                   rolled_back=False, reused=False)
         return None
 
-    start = seq.num_cached_tokens
     with sched.streams.use(STREAM_DEFAULT):
-        if snapshot is not None:
-            # The copy was made on the secondary stream; the verify overwrites the slot after it.
-            sched.streams.wait(STREAM_DEFAULT, EVENT_SECONDARY_DONE)
-        else:
-            snapshot = runner.ssm_pool.snapshot(seq.ssm_slot)
-        logits = verify.verify_forward(runner, seq, [fed] + drafts)  # [k+1, V]
-        emitted = accept(sched, req, logits, drafts)
+        verified = verify.verify_forward(runner, seq, [fed] + drafts, want_hidden=kind == SPEC_MTP)
+        emitted = accept(sched, req, verified.logits, drafts)
     num_accepted = len(emitted) - 1
     for row, token in enumerate(emitted):
-        logprobs.record(req, logits[row], token)
+        logprobs.record(req, verified.logits[row], token)
         outputs.append_token(sched, req, token)
         if req.finished_ns is not None:
-            break           # finished: its caches are released, nothing to roll back
+            break           # finished: its caches are released, nothing to keep
     is_rolled_back = req.finished_ns is None and num_accepted < len(drafts)
-    if is_rolled_back:
+    if req.finished_ns is None:
         with sched.streams.use(STREAM_DEFAULT):
-            # Cache the token fed in and the accepted drafts; the rejected ones are undone.
-            verify.roll_back(runner, seq, snapshot, start, [fed] + drafts[:num_accepted])
+            # Cache the token fed in and the accepted drafts; the rejected ones are dropped.
+            verify.keep(runner, seq, verified, num_accepted + 1)
+            if kind == SPEC_MTP:
+                runner.mtp_keep_up_segment(seq, [fed] + drafts[:num_accepted], verified.start,
+                                           verified.hidden[:num_accepted + 1])
     _emit(sched, req, num_drafted=len(drafts), num_accepted=num_accepted, num_emitted=len(emitted),
           num_stale=num_stale, rolled_back=is_rolled_back, reused=is_pending_valid)
     if req.finished_ns is None:
         _propose_next(sched, req)
     return len(drafts) + 1
+
+
+def _budget(sched: Scheduler, req: Request) -> int:
+    bm, seq = sched.runner.block_manager, req.seq
+    return draft_budget(req, num_drafts=sched.levers.num_speculative_tokens, max_context=sched.max_context,
+                        num_free_blocks=bm.num_free, blocks_for_tokens=lambda n: bm.num_new_blocks(seq, n))
+
+
+def _propose(sched: Scheduler, req: Request, budget: int) -> list[int]:
+    levers = sched.levers
+    return drafts_source.propose(levers.speculation, sched.runner, req.seq, req.prompt_tokens + req.output_tokens,
+                                 budget, self_layers_lever=levers.self_draft_layers)
 
 
 def accept(sched: Scheduler, req: Request, logits: torch.Tensor, drafts: list[int]) -> list[int]:
@@ -151,34 +163,27 @@ def accept(sched: Scheduler, req: Request, logits: torch.Tensor, drafts: list[in
 
 
 def _propose_next(sched: Scheduler, req: Request) -> None:
-    """Draft for the next step now, and copy the SSM state it would roll back to on the secondary stream."""
-    drafts = propose_drafts(req.prompt_tokens + req.output_tokens, max_ngram=MAX_NGRAM,
-                            min_ngram=MIN_NGRAM, num_drafts=NUM_DRAFTS)
-    if not drafts:
-        return
+    """Draft for the next step now, on the secondary stream after this step's work."""
     streams = sched.streams
     streams.record(EVENT_VERIFY_DONE, STREAM_DEFAULT)
     streams.wait(STREAM_SECONDARY, EVENT_VERIFY_DONE)
     with streams.use(STREAM_SECONDARY):
-        snapshot = sched.runner.ssm_pool.snapshot(req.seq.ssm_slot)
-    if streams.is_cuda:
-        # Made on the secondary stream, read (restore) on the default one: keep the
-        # allocator from reusing the memory before the default stream is done with it.
-        default = streams.torch_stream(STREAM_DEFAULT)
-        snapshot.conv.record_stream(default)
-        snapshot.recurrent.record_stream(default)
+        drafts = _propose(sched, req, _budget(sched, req))
     streams.record(EVENT_SECONDARY_DONE, STREAM_SECONDARY)
+    if not drafts:
+        return
     req.pending_drafts = drafts
     req.pending_drafts_at = req.seq.num_cached_tokens
-    req.pending_snapshot = snapshot
 
 
 def _emit(sched: Scheduler, req: Request, *, num_drafted: int, num_accepted: int, num_emitted: int,
           num_stale: int, rolled_back: bool, reused: bool) -> None:
+    levers = sched.levers
+    min_p = effective_min_p(req.params, levers.speculation, levers.no_mtp_minp)
     sched.emit(ev.GenericEvent(
         tick=sched.tick, t_ns=sched.now_ns(), kind="spec_step", request_id=req.request_id,
-        detail={"kind": SPEC_NGRAM, "path": ev.PATH_DECODE, "num_drafted": num_drafted,
+        detail={"kind": levers.speculation, "path": ev.PATH_DECODE, "num_drafted": num_drafted,
                 "num_accepted": num_accepted, "num_emitted": num_emitted,
                 "num_stale_dropped": num_stale, "rolled_back": rolled_back,
-                "reused_pending": reused}))
-
+                "reused_pending": reused, "min_p_applied": min_p,
+                "min_p_off": min_p != req.params.min_p}))
