@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -69,26 +70,51 @@ def write_checkpoint(model: Qwen35ForCausalLM, directory: Path) -> None:
 
 def ensure_tiny_checkpoint() -> Path:
     """Return the tiny checkpoint directory, creating it on first use (atomically)."""
-    directory = cache_root() / "tiny"
-    marker = directory / MARKER
-    if _is_current(marker):
+    return ensure_cached_checkpoint("tiny", MARKER, _marker(), _build_tiny)
+
+
+def _build_tiny() -> Qwen35ForCausalLM:
+    torch.manual_seed(TINY_SEED)
+    model = Qwen35ForCausalLM(TINY_CONFIG)
+    random_init(model, TINY_SEED)
+    train_tiny_mtp(model)
+    return model
+
+
+def _marker() -> dict:
+    """What the cached checkpoint was built from: a change to any of it rebuilds the cache."""
+    return {"version": TINY_VERSION, "seed": TINY_SEED, "eos": EOS, "special_tokens": tokenizer_tokens(),
+            "config": TINY_CONFIG.to_hf_dict(), "mtp": TINY_MTP.to_dict()}
+
+
+def tokenizer_tokens() -> list[str]:
+    """The special tokens of the embedded tokenizer: part of every embedded checkpoint's marker."""
+    return [*SPECIAL_TOKENS, *CHAT_TOKENS]
+
+
+def ensure_cached_checkpoint(name: str, marker_name: str, marker: dict,
+                             build: Callable[[], Qwen35ForCausalLM]) -> Path:
+    """``cache_root() / name``, built by ``build`` on first use or when its marker differs from ``marker``.
+
+    Written to a staging directory and moved into place, so a reader never sees half a checkpoint;
+    a process that loses the race to another (an expert-parallel rank) keeps the winner's copy.
+    """
+    directory = cache_root() / name
+    marker_path = directory / marker_name
+    if _marker_matches(marker_path, marker):
         return directory
     directory.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix="tiny-", dir=directory.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=directory.parent))
     try:
-        torch.manual_seed(TINY_SEED)
-        model = Qwen35ForCausalLM(TINY_CONFIG)
-        random_init(model, TINY_SEED)
-        train_tiny_mtp(model)
-        write_checkpoint(model, staging)
+        write_checkpoint(build(), staging)
         build_byte_tokenizer().save(str(staging / "tokenizer.json"))
-        (staging / MARKER).write_text(json.dumps(_marker()))
+        (staging / marker_name).write_text(json.dumps(marker))
         if directory.exists():
             shutil.rmtree(directory)
         os.replace(staging, directory)
     except OSError:
         # Another process may have won the race to create it; its checkpoint is identical.
-        if not _is_current(marker):
+        if not _marker_matches(marker_path, marker):
             raise
     finally:
         if staging.exists():
@@ -96,14 +122,8 @@ def ensure_tiny_checkpoint() -> Path:
     return directory
 
 
-def _marker() -> dict:
-    """What the cached checkpoint was built from: a change to any of it rebuilds the cache."""
-    return {"version": TINY_VERSION, "seed": TINY_SEED, "eos": EOS, "special_tokens": [*SPECIAL_TOKENS, *CHAT_TOKENS],
-            "config": TINY_CONFIG.to_hf_dict(), "mtp": TINY_MTP.to_dict()}
-
-
-def _is_current(marker: Path) -> bool:
+def _marker_matches(path: Path, marker: dict) -> bool:
     try:
-        return json.loads(marker.read_text()) == _marker()
+        return json.loads(path.read_text()) == marker
     except (OSError, ValueError):
         return False

@@ -6,18 +6,14 @@ Eight experts split evenly over 1, 2, 4 or 8 expert-parallel ranks.
 """
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from engine.model.config import ModelConfig
 from engine.model.qwen3_5_moe import Qwen35MoeForCausalLM
-from engine.model.tiny import cache_root, random_init, write_checkpoint
-from engine.model.tokenizer import EOS, build_byte_tokenizer
+from engine.model.tiny import ensure_cached_checkpoint, random_init, tokenizer_tokens
+from engine.model.tokenizer import EOS
 
 TINY_MOE_VERSION = 1  # bump when the config or the init changes, so caches are rebuilt
 TINY_MOE_SEED = 4321
@@ -33,38 +29,16 @@ MARKER = "chunkscope_tiny_moe.json"
 
 def ensure_tiny_moe_checkpoint() -> Path:
     """Return the tiny-moe checkpoint directory, creating it on first use (atomically)."""
-    directory = cache_root() / "tiny-moe"
-    marker = directory / MARKER
-    if _is_current(marker):
-        return directory
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix="tiny-moe-", dir=directory.parent))
-    try:
-        torch.manual_seed(TINY_MOE_SEED)
-        model = Qwen35MoeForCausalLM(TINY_MOE_CONFIG)
-        random_init(model, TINY_MOE_SEED)
-        write_checkpoint(model, staging)
-        build_byte_tokenizer().save(str(staging / "tokenizer.json"))
-        (staging / MARKER).write_text(json.dumps(_marker()))
-        if directory.exists():
-            shutil.rmtree(directory)
-        os.replace(staging, directory)
-    except OSError:
-        # Another process (an expert-parallel rank) may have won the race; its checkpoint is identical.
-        if not _is_current(marker):
-            raise
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
-    return directory
+    return ensure_cached_checkpoint("tiny-moe", MARKER, _marker(), _build_tiny_moe)
+
+
+def _build_tiny_moe() -> Qwen35MoeForCausalLM:
+    torch.manual_seed(TINY_MOE_SEED)
+    model = Qwen35MoeForCausalLM(TINY_MOE_CONFIG)
+    random_init(model, TINY_MOE_SEED)
+    return model
 
 
 def _marker() -> dict:
-    return {"version": TINY_MOE_VERSION, "seed": TINY_MOE_SEED, "eos": EOS, "config": TINY_MOE_CONFIG.to_hf_dict()}
-
-
-def _is_current(marker: Path) -> bool:
-    try:
-        return json.loads(marker.read_text()) == _marker()
-    except (OSError, ValueError):
-        return False
+    return {"version": TINY_MOE_VERSION, "seed": TINY_MOE_SEED, "eos": EOS, "special_tokens": tokenizer_tokens(),
+            "config": TINY_MOE_CONFIG.to_hf_dict()}
