@@ -164,15 +164,23 @@ class Qwen35MoeForCausalLM(Qwen35ForCausalLM):
     def last_broadcast_ns(self) -> int | None:
         return self.leader.last_broadcast_ns if self.leader is not None else None
 
-    def forward(self, batch, kv, pool, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """As the dense model; with a leader attached, every rank runs this forward together."""
+    def forward(self, batch, kv, pool, logits_rows: torch.Tensor | None = None, *, return_hidden: bool = False,
+                exit_after: int | None = None):
+        """As the dense model; with a leader attached, every rank runs this forward together.
+
+        ``return_hidden`` only changes what rank 0 returns (the ranks run the same layers);
+        ``exit_after`` would have the ranks run different layers, so it never comes with a leader
+        (``has_self_draft`` is False under expert parallelism).
+        """
         if self.leader is None:
-            return super().forward(batch, kv, pool, logits_rows)
+            return super().forward(batch, kv, pool, logits_rows, return_hidden=return_hidden, exit_after=exit_after)
+        if exit_after is not None:
+            raise RankFailure("an early-exit forward under expert parallelism would leave the ranks out of step")
         self.leader.before_forward(batch, logits_rows, pool)
         self.moe_timings.reset()
         start_ns, start = self.clock_ns(), time.perf_counter_ns()
         try:
-            logits = super().forward(batch, kv, pool, logits_rows)
+            logits = super().forward(batch, kv, pool, logits_rows, return_hidden=return_hidden)
         except Exception as err:
             if isinstance(err, RankFailure):
                 raise
@@ -186,6 +194,11 @@ class Qwen35MoeForCausalLM(Qwen35ForCausalLM):
     @property
     def is_ep(self) -> bool:
         return self.ep_size > 1
+
+    @property
+    def has_self_draft(self) -> bool:
+        """Early-exit drafts run fewer layers on rank 0 alone: not under expert parallelism."""
+        return super().has_self_draft and not self.is_ep
 
     def attach_exchange(self, exchange) -> None:
         """Route every MoE block's expert rows through ``exchange`` (see ``LocalExchange.combine``)."""
