@@ -45,7 +45,7 @@ from engine.model.config import ModelConfig  # noqa: E402
 from engine.model.loader import load_model  # noqa: E402
 from engine.model.qwen3_5 import Qwen35ForCausalLM  # noqa: E402
 from engine.model.runner import ModelRunner  # noqa: E402
-from engine.model.tiny import random_init  # noqa: E402
+from engine.model.tiny import perturb_parameters, random_init  # noqa: E402
 from engine.sequence import SequenceState  # noqa: E402
 from telemetry import events as ev  # noqa: E402
 
@@ -104,14 +104,8 @@ def hf_reference(directory: Path):
     torch.manual_seed(0)
     hf = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**HF_CONFIG)).eval()
     generator = torch.Generator().manual_seed(0)
+    perturb_parameters(hf, generator)  # every parameter perturbed, norms included
     with torch.no_grad():
-        for name, param in hf.named_parameters():  # every parameter perturbed, norms included
-            if name.endswith("A_log"):
-                param.copy_(torch.empty(param.shape).uniform_(0.5, 8.0, generator=generator).log())
-            elif param.dim() == 1:
-                param.add_(0.2 * torch.randn(param.shape, generator=generator))
-            else:
-                param.copy_(0.08 * torch.randn(param.shape, generator=generator))
         hf.save_pretrained(directory)
         prompt = torch.randint(0, HF_CONFIG["vocab_size"], (PROMPT_LEN,), generator=generator).tolist()
         ids = torch.tensor([prompt])

@@ -42,7 +42,7 @@ from engine.cache.kv_quant import config_for  # noqa: E402
 from engine.model.config import ModelConfig  # noqa: E402
 from engine.model.qwen3_5 import Qwen35ForCausalLM  # noqa: E402
 from engine.model.runner import ModelRunner  # noqa: E402
-from engine.model.tiny import random_init  # noqa: E402
+from engine.model.tiny import perturb_parameters, random_init  # noqa: E402
 from engine.sequence import SequenceState  # noqa: E402
 from engine.model.cpu_features import cpu_model  # noqa: E402
 
@@ -66,23 +66,10 @@ DTYPES = ("innerq8", "innerq4")
 CHUNK = 256
 
 
-def perturb(model: Qwen35ForCausalLM, seed: int) -> None:
-    """The parity tests' perturbation (tests/engine/conftest.py): no parameter keeps a constant init."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("A_log"):
-                param.copy_(torch.empty(param.shape).uniform_(0.5, 8.0, generator=generator).log())
-            elif param.dim() == 1:
-                param.add_(0.2 * torch.randn(param.shape, generator=generator))
-            else:
-                param.copy_(0.08 * torch.randn(param.shape, generator=generator))
-
-
 def build(config: ModelConfig, init: str, seed: int = 0) -> Qwen35ForCausalLM:
     torch.manual_seed(seed)
     model = Qwen35ForCausalLM(config)
-    perturb(model, seed) if init == "perturb" else random_init(model, seed)
+    perturb_parameters(model, torch.Generator().manual_seed(seed)) if init == "perturb" else random_init(model, seed)
     model.eval()
     model.fuse()
     return model

@@ -52,6 +52,19 @@ def random_init(model: Qwen35ForCausalLM, seed: int) -> None:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
 
 
+def perturb_parameters(model: torch.nn.Module, generator: torch.Generator) -> None:
+    """Perturb every parameter, norms included (HF inits them to constants that would hide bugs):
+    the parity tests' weights, which the benches that compare against them reuse."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("A_log"):
+                param.copy_(torch.empty(param.shape).uniform_(0.5, 8.0, generator=generator).log())
+            elif param.dim() == 1:
+                param.add_(0.2 * torch.randn(param.shape, generator=generator))
+            else:
+                param.copy_(0.08 * torch.randn(param.shape, generator=generator))
+
+
 def train_tiny_mtp(model: Qwen35ForCausalLM) -> list[float]:
     """The MTP layer: seeded init, then self-distillation on the model's own greedy continuations."""
     mtp = attach_mtp(model)

@@ -6,6 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.model.tiny import perturb_parameters
+
 transformers = pytest.importorskip("transformers")
 
 BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
@@ -24,15 +26,7 @@ CONFIGS = {
 
 def randomize(model: torch.nn.Module, seed: int) -> None:
     """Perturb every parameter, norms included (HF inits them to constants that would hide bugs)."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("A_log"):
-                param.copy_(torch.empty(param.shape).uniform_(0.5, 8.0, generator=generator).log())
-            elif param.dim() == 1:
-                param.add_(0.2 * torch.randn(param.shape, generator=generator))
-            else:
-                param.copy_(0.08 * torch.randn(param.shape, generator=generator))
+    perturb_parameters(model, torch.Generator().manual_seed(seed))
 
 
 def make_hf_model(name: str = "base", seed: int = 0, **overrides):
