@@ -47,7 +47,12 @@ def test_a_cap_below_the_heads_need_blocks_without_spinning_and_the_heartbeat_na
                           "the heartbeat to report the stall", proc, timeout_s=60)
         assert "cap is 1" in status["blocker"] and status["blocker"].startswith("head request ")
         assert status["kv_blocks_cap"] == 1 and status["num_waiting"] >= 1
-        ticks_blocked = scalar(db, "SELECT max(tick) FROM ticks")
+        # The heartbeat can run ahead of the writer's last batch (flushed every 50-200 ms): read the
+        # newest tick once two reads half a second apart agree.
+        ticks_blocked = None
+        while ticks_blocked != (newest := scalar(db, "SELECT max(tick) FROM ticks")):
+            ticks_blocked = newest
+            time.sleep(0.5)
         cpu_before, wall_before = cpu_seconds(proc.pid), time.monotonic()
         time.sleep(3.0)
         share = (cpu_seconds(proc.pid) - cpu_before) / (time.monotonic() - wall_before)
