@@ -1,0 +1,65 @@
+"""Decode-sized ``x @ weight^T``: the native skinny GEMM (skinny_gemm.cpp) where it applies, else None.
+
+It reads the weight in its PyTorch layout, so it needs no packed copy. Single-threaded: with
+more torch threads the libraries' GEMMs split the work and the callers keep them.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from engine.kernels import native
+
+# Rows up to which it beats oneDNN's prepacked copy (bench/decode_gemm.py, AVX2 EPYC, 1 thread,
+# 30 weights of 3072x576: batch 1 10.5 vs 9.7 GB/s, batch 8 7.1 vs 6.0; batch 32 3.1 vs 3.0, a
+# draw, so the larger batches stay on oneDNN, which tiles its packed copy for them).
+MAX_ROWS = 16
+
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+
+
+def _function():
+    lib = native.load("skinny_gemm")
+    if lib is None:
+        return None
+    fn = lib.skinny_gemm_f32
+    fn.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64]
+    fn.restype = None
+    return fn
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``linear(x, weight)`` runs natively: float32 CPU, 1..MAX_ROWS rows, unit inner strides, 1 thread."""
+    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype == torch.float32 == weight.dtype
+            and x.device.type == "cpu" == weight.device.type and x.stride(1) == 1 and weight.stride(1) == 1
+            and torch.get_num_threads() == 1 and not torch.compiler.is_compiling() and native.enabled())
+
+
+_fn = None
+_loaded = False
+
+
+def available() -> bool:
+    """Whether the kernel is built and loaded (builds it on first call; False, logged once, where it cannot)."""
+    global _fn, _loaded
+    if not _loaded:
+        _fn, _loaded = _function(), True
+    return _fn is not None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N], or None where the kernel does not apply here."""
+    if not (applies(x, weight) and available()):
+        return None
+    rows, inner = x.shape
+    out_cols = weight.shape[0]
+    if weight.shape[1] != inner or (bias is not None and bias.shape != (out_cols,)):
+        raise ValueError(f"skinny linear: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
+                         f"bias {None if bias is None else tuple(bias.shape)} do not fit")
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        return None
+    y = x.new_empty(rows, out_cols)  # [M, N]
+    _fn(x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
+        None if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0), rows, out_cols, inner)
+    return y
