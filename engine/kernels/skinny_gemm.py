@@ -6,6 +6,7 @@ more torch threads the libraries' GEMMs split the work and the callers keep them
 from __future__ import annotations
 
 import ctypes
+import os
 
 import torch
 
@@ -15,6 +16,9 @@ from engine.kernels import native
 # 30 weights of 3072x576: batch 1 10.5 vs 9.7 GB/s, batch 8 7.1 vs 6.0; batch 32 3.1 vs 3.0, a
 # draw, so the larger batches stay on oneDNN, which tiles its packed copy for them).
 MAX_ROWS = 16
+
+# Off on its own (the fused GDN step stays on) with CHUNKSCOPE_SKINNY_GEMM=0; bench/decode_gemm.py flips it.
+ENABLED = os.environ.get("CHUNKSCOPE_SKINNY_GEMM", "1") != "0"
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
@@ -33,7 +37,7 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``linear(x, weight)`` runs natively: float32 CPU, 1..MAX_ROWS rows, unit inner strides, 1 thread."""
     return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype == torch.float32 == weight.dtype
             and x.device.type == "cpu" == weight.device.type and x.stride(1) == 1 and weight.stride(1) == 1
-            and torch.get_num_threads() == 1 and not torch.compiler.is_compiling() and native.enabled())
+            and torch.get_num_threads() == 1 and not torch.compiler.is_compiling() and ENABLED and native.enabled())
 
 
 _fn = None
