@@ -12,10 +12,11 @@ import torch
 
 from engine.kernels import native
 
-# Rows up to which it beats oneDNN's prepacked copy (bench/decode_gemm.py, AVX2 EPYC, 1 thread,
-# 30 weights of 3072x576: batch 1 10.5 vs 9.7 GB/s, batch 8 7.1 vs 6.0; batch 32 3.1 vs 3.0, a
-# draw, so the larger batches stay on oneDNN, which tiles its packed copy for them).
-MAX_ROWS = 16
+# Rows up to which it runs (bench/decode_gemm.py, AVX2 EPYC, 1 thread, 30 weights of 3072x576,
+# load average 4-5 on the 2 cores, GB/s of weight streamed, oneDNN packed vs skinny: batch 8
+# 5.6 vs 6.8, 16 4.6 vs 4.7, 32 2.9 vs 3.2; in the whole smol decode step 1.45x at batch 8).
+# Larger batches stay on oneDNN, which tiles its packed copy for them.
+MAX_ROWS = 32
 
 # Off on its own (the fused GDN step stays on) with CHUNKSCOPE_SKINNY_GEMM=0; bench/decode_gemm.py flips it.
 ENABLED = os.environ.get("CHUNKSCOPE_SKINNY_GEMM", "1") != "0"

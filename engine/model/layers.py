@@ -72,7 +72,7 @@ class FusedLinear:
         self.weight = weight.detach()
         self.bias = None if bias is None else bias.detach()
         # Decode-sized rows go to the native skinny GEMM (engine/kernels) for large fp32 weights:
-        # it streams the weight once in its own layout, faster than either library at 1-16 rows.
+        # it streams the weight once in its own layout, faster than either library at 1-32 rows.
         self.skinny = (self.weight.dtype == torch.float32 and self.weight.device.type == "cpu"
                        and self.weight.numel() >= PACKED_MIN_WEIGHT and self.weight.stride(1) == 1)
         self.packed = None
