@@ -36,9 +36,11 @@ def _function():
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``linear(x, weight)`` runs natively: float32 CPU, 1..MAX_ROWS rows, unit inner strides, 1 thread."""
+    if torch.compiler.is_compiling():  # first: a compiled graph traces the library GEMM, nothing of this
+        return False
     return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype == torch.float32 == weight.dtype
             and x.device.type == "cpu" == weight.device.type and x.stride(1) == 1 and weight.stride(1) == 1
-            and torch.get_num_threads() == 1 and not torch.compiler.is_compiling() and ENABLED and native.enabled())
+            and torch.get_num_threads() == 1 and ENABLED and native.enabled())
 
 
 _fn = None

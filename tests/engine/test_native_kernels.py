@@ -140,3 +140,25 @@ def test_a_failed_build_logs_once_and_falls_back(monkeypatch, tmp_path, caplog):
         assert not list(tmp_path.glob("kernels/*.so"))
     finally:
         native.load.cache_clear()
+
+
+@needs_kernels
+def test_compiled_graphs_trace_the_torch_paths(monkeypatch):
+    """Under torch.compile the kernels step aside without a graph break (fullgraph), and results still match."""
+    monkeypatch.setattr(layers, "PACKED_MIN_WEIGHT", 0)
+    linear = layers.FusedLinear(torch.randn(96, 40))
+    x = torch.randn(8, 40)
+    assert linear.runs_native(x)
+    compiled = torch.compile(lambda t: linear(t), backend="eager", fullgraph=True)
+    assert torch.allclose(compiled(x), F.linear(x, linear.weight), atol=1e-5)
+
+    layer, conv, rec = _layer_and_pools(2, seed=0)
+    rows = torch.randn(1, layer.conv_dim)
+    g = beta = torch.zeros(1, layer.num_v_heads)
+
+    def step(rows):
+        out = gdn_step.decode(rows, conv, layer.conv1d.weight[:, 0, :], rec, torch.tensor([0]), g, beta,
+                              layer.num_k_heads, layer.head_k_dim, layer.head_v_dim)
+        return rows if out is None else out
+
+    assert torch.equal(torch.compile(step, backend="eager", fullgraph=True)(rows), rows)
