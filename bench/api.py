@@ -79,31 +79,53 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-async def one_client(http: httpx.AsyncClient, url: str, spec: dict, t0: float, out: dict) -> None:
+async def one_client(url: str, spec: dict, t0: float, out: dict) -> None:
+    """One streaming completion over its own loopback connection.
+
+    TTFT stops at the first ``data:`` bytes of the response (the server's first token has
+    arrived); the events are parsed once the stream has ended, so the client's own parsing
+    is not part of the server's latency.
+    """
+    host, port = url.removeprefix("http://").split(":")
     await asyncio.sleep(max(0.0, t0 + spec["arrival_s"] - time.perf_counter()))
     sent = time.perf_counter()
-    body = {"model": "tiny", "prompt": spec["prompt_tokens"], "stream": True, "logprobs": 0,
-            "stream_options": {"include_usage": True}, **spec["sampling"]}
-    first, tokens = None, 0
-    async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            elif first is None:
-                first = time.perf_counter()
-    out[spec["request_id"]] = {"sent": sent, "ttft": first - sent, "done": time.perf_counter(), "tokens": tokens}
+    body = json.dumps({"model": "tiny", "prompt": spec["prompt_tokens"], "stream": True, "logprobs": 0,
+                       "stream_options": {"include_usage": True}, **spec["sampling"]}).encode()
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (host.encode(), len(body), body))
+    received, first = bytearray(), None
+    while chunk := await reader.read(65536):
+        received += chunk
+        if first is None and b"data: " in received:
+            first = time.perf_counter()
+    done = time.perf_counter()
+    writer.close()
+    head, _, payload = bytes(received).partition(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/1.1 200"):
+        raise SystemExit(f"request {spec['request_id']}: {head.splitlines()[0].decode()}")
+    events = [line[6:] for line in _dechunk(payload).split(b"\n") if line.startswith(b"data: {")]
+    usage = json.loads(events[-1])["usage"]
+    out[spec["request_id"]] = {"sent": sent, "ttft": first - sent, "done": done,
+                               "tokens": usage["completion_tokens"]}
 
 
-async def drive_api(url: str, specs: list[dict], clients: int) -> dict:
-    limits = httpx.Limits(max_connections=clients + WARMUP, max_keepalive_connections=clients + WARMUP)
+def _dechunk(payload: bytes) -> bytes:
+    """The body of a ``Transfer-Encoding: chunked`` response."""
+    body, at = bytearray(), 0
+    while True:
+        end = payload.index(b"\r\n", at)
+        size = int(payload[at:end], 16)
+        if size == 0:
+            return bytes(body)
+        body += payload[end + 2:end + 2 + size]
+        at = end + 2 + size + 2
+
+
+async def drive_api(url: str, specs: list[dict]) -> dict:
     out: dict = {}
-    async with httpx.AsyncClient(timeout=300, limits=limits) as http:
-        t0 = time.perf_counter()
-        await asyncio.gather(*(one_client(http, url, spec, t0, out) for spec in specs))
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one_client(url, spec, t0, out) for spec in specs))
     return out
 
 
@@ -123,7 +145,7 @@ def api_side(args, specs: list[dict], run_dir: Path) -> dict:
                 raise SystemExit(f"the API server did not come up; see {run_dir / 'serve.log'}")
             time.sleep(0.2)
         cpu_before, client_before = children_cpu_s(), time.process_time()
-        results = asyncio.run(drive_api(url, specs, args.clients))
+        results = asyncio.run(drive_api(url, specs))
         client_cpu = time.process_time() - client_before
     finally:
         proc.terminate()

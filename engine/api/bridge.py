@@ -20,6 +20,10 @@ from telemetry import events as ev
 
 log = logging.getLogger("chunkscope.api")
 CANCEL_REASON = CLIENT_DISCONNECTED
+# How long the tick loop waits for the HTTP thread to write a tick's first tokens: a handful
+# of handler steps take well under a millisecond; the bound keeps a stalled server thread
+# from holding up the engine.
+FIRST_TOKEN_WAIT_S = 0.005
 
 
 class QueueFull(Exception):
@@ -34,20 +38,36 @@ class Outbox:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
 
-def _deliver(items: list[tuple[Outbox, Any]]) -> None:
+def _put(items: list[tuple[Outbox, Any]]) -> None:
     for outbox, item in items:
         outbox.queue.put_nowait(item)
 
 
-def send_all(items: list[tuple[Outbox, Any]]) -> None:
+def _deliver(urgent: list[tuple[Outbox, Any]], rest: list[tuple[Outbox, Any]],
+             written: threading.Event | None) -> None:
+    """On the server's loop: wake the handlers of ``urgent`` items first; ``written`` is set once
+    they have run (their step is queued before it), then the rest are handed out."""
+    _put(urgent)
+    loop = asyncio.get_running_loop()
+    if written is not None:
+        loop.call_soon(written.set)
+    if rest:
+        loop.call_soon(_put, rest)
+
+
+def send_all(items: list[tuple[Outbox, Any]], urgent: list[tuple[Outbox, Any]] = (),
+             written: threading.Event | None = None) -> None:
     """Hand items to their outboxes with one wake-up per event loop (not one per item): a tick's
-    tokens for 64 streams cost the engine thread one self-pipe write, not 64."""
-    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-    for outbox, item in items:
-        by_loop.setdefault(outbox.loop, []).append((outbox, item))
-    for loop, batch in by_loop.items():
+    tokens for 64 streams cost the engine thread one self-pipe write, not 64. ``urgent`` items
+    (first tokens: what TTFT waits for) are handled before the others; ``written`` is set when
+    their handlers have run."""
+    by_loop: dict[asyncio.AbstractEventLoop, tuple[list, list]] = {}
+    for batch, pairs in ((0, urgent), (1, items)):
+        for outbox, item in pairs:
+            by_loop.setdefault(outbox.loop, ([], []))[batch].append((outbox, item))
+    for loop, (first, rest) in by_loop.items():
         try:
-            loop.call_soon_threadsafe(_deliver, batch)
+            loop.call_soon_threadsafe(_deliver, first, rest, written if first else None)
         except RuntimeError:   # the server's loop is closed (shutdown): nobody is listening
             pass
 
@@ -103,6 +123,7 @@ class EngineBridge:
         self._tracked: dict[int, _Tracked] = {}   # engine thread only, by request id
         self._request_id_of: dict[int, int] = {}  # engine thread only: handle -> request id
         self._wake = threading.Event()
+        self._written = threading.Event()   # the HTTP thread wrote the first tokens sent
 
     # ---- HTTP thread --------------------------------------------------------------------
     def submit(self, prompt_tokens: list[int], sampling: dict, features: RequestFeatures,
@@ -152,21 +173,30 @@ class EngineBridge:
         self.num_waiting = len(sched.waiting)
 
     def publish(self, sched) -> None:
-        """Send each API request's new tokens, and its end, to its outbox."""
+        """Send each API request's new tokens, and its end, to its outbox.
+
+        When a request's first token is among them, the loop waits (at most ``FIRST_TOKEN_WAIT_S``)
+        until the HTTP thread has written it: both threads need the GIL, and a first token queued
+        behind 64 streams' tokens, or behind the next tick's Python, is what TTFT would pay."""
         self.num_waiting = len(sched.waiting)
-        ended, out = [], []
+        ended, first, out = [], [], []
         for request_id, tracked in self._tracked.items():
             request = tracked.request
             num = len(request.output_tokens)
             if num > tracked.num_sent:
-                out.append((tracked.outbox, Tokens(request.output_tokens[tracked.num_sent:num],
-                                                   request.logprobs[tracked.num_sent:num])))
+                (first if tracked.num_sent == 0 else out).append(
+                    (tracked.outbox, Tokens(request.output_tokens[tracked.num_sent:num],
+                                            request.logprobs[tracked.num_sent:num])))
                 tracked.num_sent = num
             if request.finished_ns is not None:
                 out.append((tracked.outbox, Ended(request.status, request.finish_reason, request.error,
                                                   request.prompt_len, num, request.first_token_rules)))
                 ended.append(request_id)
-        if out:
+        if first:
+            self._written.clear()
+            send_all(out, first, self._written)
+            self._written.wait(FIRST_TOKEN_WAIT_S)
+        elif out:
             send_all(out)
         for request_id in ended:
             self._request_id_of.pop(self._tracked.pop(request_id).handle, None)
