@@ -32,6 +32,8 @@ log = logging.getLogger("chunkscope.api")
 RETRY_AFTER_S = 1
 CLIENT_CLOSED = 499      # nginx's "client closed request": nobody reads it, the log does
 GONE = object()          # put in a stream's outbox when its client disconnects
+# json.dumps(chunk, ensure_ascii=False) builds an encoder per call; one encoder for every chunk
+_encode = json.JSONEncoder(ensure_ascii=False, check_circular=False).encode
 _END_STATUS = {ev.REQ_ERROR: (500, TYPE_SERVER), ev.REQ_PREEMPTED: (503, TYPE_SERVER),
                ev.REQ_REJECTED: (400, "invalid_request_error"), ev.REQ_CANCELLED: (503, TYPE_SERVER)}
 
@@ -126,7 +128,7 @@ def build_app(info: EngineInfo, bridge: EngineBridge, metrics: EngineMetrics, ap
                     is_over = True
                     chunks = [_ended_error(item).body()]
                 # One event per chunk, one write for the lot (the last one ends with [DONE]).
-                events = "".join(f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n" for chunk in chunks)
+                events = "".join(f"data: {_encode(chunk)}\n\n" for chunk in chunks)
                 if is_over:
                     events += "data: [DONE]\n\n"
                 if events:
