@@ -66,6 +66,16 @@ def arrivals(args) -> list[dict]:
     return out
 
 
+def client_loop():
+    """uvloop for the clients when it is installed (as for the server): 64 streams' reads on the
+    same cores as the engine cost less CPU, and a connection opens in less time."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
 def load() -> str:
     """The 1-minute load average: other processes on these cores bend both sides' numbers."""
     return f"{os.getloadavg()[0]:.2f}"
@@ -102,6 +112,7 @@ async def one_client(url: str, spec: dict, t0: float, out: dict) -> None:
     body = json.dumps({"model": "tiny", "prompt": spec["prompt_tokens"], "stream": True, "logprobs": 0,
                        "stream_options": {"include_usage": True}, **spec["sampling"]}).encode()
     reader, writer = await asyncio.open_connection(host, int(port))
+    connected = time.perf_counter()
     writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (host.encode(), len(body), body))
     received, first = bytearray(), None
@@ -116,7 +127,7 @@ async def one_client(url: str, spec: dict, t0: float, out: dict) -> None:
         raise SystemExit(f"request {spec['request_id']}: {head.splitlines()[0].decode()}")
     events = [line[6:] for line in _dechunk(payload).split(b"\n") if line.startswith(b"data: {")]
     usage = json.loads(events[-1])["usage"]
-    out[spec["request_id"]] = {"sent": sent, "ttft": first - sent, "done": done,
+    out[spec["request_id"]] = {"sent": sent, "connect": connected - sent, "ttft": first - sent, "done": done,
                                "tokens": usage["completion_tokens"]}
 
 
@@ -155,7 +166,8 @@ def api_side(args, specs: list[dict], run_dir: Path) -> dict:
                 raise SystemExit(f"the API server did not come up; see {run_dir / 'serve.log'}")
             time.sleep(0.2)
         cpu_before, client_before = children_cpu_s(), time.process_time()
-        results = asyncio.run(drive_api(url, specs))
+        with asyncio.Runner(loop_factory=client_loop()) as runner:
+            results = runner.run(drive_api(url, specs))
         client_cpu = time.process_time() - client_before
     finally:
         proc.terminate()
