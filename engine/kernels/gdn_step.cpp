@@ -93,6 +93,72 @@ void conv_row(const float* input, float* state, const float* weight, int64_t cha
     }
 }
 
+// The gates of one row, as gdn.py's tensor path: beta = sigmoid(b), g = neg_rate * softplus(a + dt_bias)
+// (torch's softplus: linear above 20).
+void gates_row(const float* a, const float* b, const float* neg_rate, const float* dt_bias, int64_t heads,
+               float* g, float* beta) {
+    for (int64_t h = 0; h < heads; ++h) {
+        const float x = a[h] + dt_bias[h];
+        g[h] = neg_rate[h] * (x > 20.0f ? x : log1pf(expf(x)));
+        beta[h] = 1.0f / (1.0f + expf(-b[h]));
+    }
+}
+
+// GatedRMSNorm of one head's output in place: o * rsqrt(mean(o^2) + eps) * weight * silu(z).
+void gated_rms_norm(float* o, const float* z, const float* weight, float eps, int64_t n) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; ++i) sum += o[i] * o[i];
+    const float factor = 1.0f / sqrtf(sum / (float)n + eps);
+    for (int64_t i = 0; i < n; ++i) o[i] = weight[i] * (o[i] * factor) * (z[i] / (1.0f + expf(-z[i])));
+}
+
+struct Gated {  // the raw gate inputs and the output norm, for gdn_decode_gated_f32
+    const float *a, *b, *z;
+    int64_t ld_ab, ld_z;
+    const float *neg_rate, *dt_bias, *norm_weight;
+    float eps;
+};
+
+void decode_rows(const float* mixed, int64_t ld_mixed, float* conv_states, const float* conv_weight, int64_t kernel,
+                 float* rec_states, const int64_t* slots, const float* g, const float* beta, int64_t ldg,
+                 const Gated* gated, int64_t batch, int64_t num_k_heads, int64_t num_v_heads, int64_t dk,
+                 int64_t dv, float* out) {
+    const int64_t key_dim = num_k_heads * dk, channels = 2 * key_dim + num_v_heads * dv;
+    const int64_t group = num_v_heads / num_k_heads;
+    const float q_scale = 1.0f / sqrtf((float)dk);
+    std::vector<float> conv_out(channels);  // [q | k | v] of one row
+    std::vector<float> row_gates(2 * num_v_heads);  // [g | beta] of one row, when computed here
+    for (int64_t b = 0; b < batch; ++b) {
+        conv_row(mixed + b * ld_mixed, conv_states + slots[b] * channels * (kernel - 1), conv_weight, channels,
+                 kernel, conv_out.data());
+        float* q = conv_out.data();
+        float* k = q + key_dim;
+        const float* v = k + key_dim;
+        for (int64_t h = 0; h < num_k_heads; ++h) {
+            l2norm(q + h * dk, dk, q_scale);
+            l2norm(k + h * dk, dk, 1.0f);
+        }
+        const float *g_row, *beta_row;
+        if (gated != nullptr) {
+            gates_row(gated->a + b * gated->ld_ab, gated->b + b * gated->ld_ab, gated->neg_rate, gated->dt_bias,
+                      num_v_heads, row_gates.data(), row_gates.data() + num_v_heads);
+            g_row = row_gates.data();
+            beta_row = g_row + num_v_heads;
+        } else {
+            g_row = g + b * ldg;
+            beta_row = beta + b * ldg;
+        }
+        float* state = rec_states + slots[b] * num_v_heads * dk * dv;
+        for (int64_t h = 0; h < num_v_heads; ++h) {
+            const int64_t kh = h / group;
+            float* o = out + (b * num_v_heads + h) * dv;
+            head_step(state + h * dk * dv, q + kh * dk, k + kh * dk, v + h * dv, g_row[h], beta_row[h], dk, dv, o);
+            if (gated != nullptr)
+                gated_rms_norm(o, gated->z + b * gated->ld_z + h * dv, gated->norm_weight, gated->eps, dv);
+        }
+    }
+}
+
 }  // namespace
 
 // mixed: [B, C] pre-conv q|k|v inputs (row stride ld_mixed), C = 2 Hk Dk + Hv Dv;
@@ -104,25 +170,21 @@ extern "C" void gdn_decode_f32(const float* mixed, int64_t ld_mixed, float* conv
                                int64_t kernel, float* rec_states, const int64_t* slots, const float* g,
                                const float* beta, int64_t ldg, int64_t batch, int64_t num_k_heads,
                                int64_t num_v_heads, int64_t dk, int64_t dv, float* out) {
-    const int64_t key_dim = num_k_heads * dk, channels = 2 * key_dim + num_v_heads * dv;
-    const int64_t group = num_v_heads / num_k_heads;
-    const float q_scale = 1.0f / sqrtf((float)dk);
-    std::vector<float> conv_out(channels);  // [q | k | v] of one row
-    for (int64_t b = 0; b < batch; ++b) {
-        conv_row(mixed + b * ld_mixed, conv_states + slots[b] * channels * (kernel - 1), conv_weight, channels,
-                 kernel, conv_out.data());
-        float* q = conv_out.data();
-        float* k = q + key_dim;
-        const float* v = k + key_dim;
-        for (int64_t h = 0; h < num_k_heads; ++h) {
-            l2norm(q + h * dk, dk, q_scale);
-            l2norm(k + h * dk, dk, 1.0f);
-        }
-        float* state = rec_states + slots[b] * num_v_heads * dk * dv;
-        for (int64_t h = 0; h < num_v_heads; ++h) {
-            const int64_t kh = h / group;
-            head_step(state + h * dk * dv, q + kh * dk, k + kh * dk, v + h * dv, g[b * ldg + h], beta[b * ldg + h],
-                      dk, dv, out + (b * num_v_heads + h) * dv);
-        }
-    }
+    decode_rows(mixed, ld_mixed, conv_states, conv_weight, kernel, rec_states, slots, g, beta, ldg, nullptr, batch,
+                num_k_heads, num_v_heads, dk, dv, out);
+}
+
+// As gdn_decode_f32, with the gates computed from the raw projections a, b [B, Hv] (row stride
+// ld_ab) and the constants neg_rate = -exp(A_log), dt_bias [Hv], and each head's output passed
+// through the GatedRMSNorm (weight [Dv], eps) gated by z [B, Hv * Dv] (row stride ld_z):
+// out [B, Hv, Dv] is what the layer's out_proj reads.
+extern "C" void gdn_decode_gated_f32(const float* mixed, int64_t ld_mixed, float* conv_states,
+                                     const float* conv_weight, int64_t kernel, float* rec_states,
+                                     const int64_t* slots, const float* a, const float* b, int64_t ld_ab,
+                                     const float* neg_rate, const float* dt_bias, const float* z, int64_t ld_z,
+                                     const float* norm_weight, float eps, int64_t batch, int64_t num_k_heads,
+                                     int64_t num_v_heads, int64_t dk, int64_t dv, float* out) {
+    const Gated gated{a, b, z, ld_ab, ld_z, neg_rate, dt_bias, norm_weight, eps};
+    decode_rows(mixed, ld_mixed, conv_states, conv_weight, kernel, rec_states, slots, nullptr, nullptr, 0, &gated,
+                batch, num_k_heads, num_v_heads, dk, dv, out);
 }

@@ -16,12 +16,13 @@ from engine.kernels import native
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _fn = None
+_gated_fn = None
 _loaded = False
 
 
 def available() -> bool:
     """Whether the kernel is built and loaded (builds it on first call; False, logged once, where it cannot)."""
-    global _fn, _loaded
+    global _fn, _gated_fn, _loaded
     if not _loaded:
         lib = native.load("gdn_step")
         if lib is not None:
@@ -29,6 +30,10 @@ def available() -> bool:
             _fn.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64,
                             _I64, _PTR]
             _fn.restype = None
+            _gated_fn = lib.gdn_decode_gated_f32
+            _gated_fn.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64,
+                                  _PTR, ctypes.c_float, _I64, _I64, _I64, _I64, _I64, _PTR]
+            _gated_fn.restype = None
         _loaded = True
     return _fn is not None
 
@@ -66,4 +71,34 @@ def decode(mixed: torch.Tensor, conv_states: torch.Tensor, conv_weight: torch.Te
     _fn(mixed.data_ptr(), mixed.stride(0), conv_states.data_ptr(), conv_weight.data_ptr(), conv_weight.shape[1],
         rec_states.data_ptr(), slots.data_ptr(), g.data_ptr(), beta.data_ptr(), g.stride(0), batch, num_k_heads,
         value_heads, key_dim, value_dim, out.data_ptr())
+    return out
+
+
+def decode_gated(mixed: torch.Tensor, conv_states: torch.Tensor, conv_weight: torch.Tensor, rec_states: torch.Tensor,
+                 slots: torch.Tensor, a: torch.Tensor, b: torch.Tensor, neg_rate: torch.Tensor, dt_bias: torch.Tensor,
+                 z: torch.Tensor, norm_weight: torch.Tensor, eps: float, num_k_heads: int, key_dim: int,
+                 value_dim: int) -> torch.Tensor | None:
+    """``decode`` with the gates and the output norm inside the call: -> [B, Hv * Dv] for out_proj, or None.
+
+    a, b [B, Hv] the raw gate projections (beta = sigmoid(b), g = neg_rate * softplus(a +
+    dt_bias), neg_rate and dt_bias [Hv]); z [B, Hv * Dv] the norm's gate; norm_weight [Dv]:
+    each head's output o becomes norm_weight * o / rms(o) * silu(z), as GatedRMSNorm in float32.
+    The torch path around it (~8 small ops per layer) is gone; float32 only.
+    """
+    batch = mixed.shape[0]
+    value_heads = rec_states.shape[1]
+    small = (a, b, neg_rate, dt_bias, z, norm_weight)
+    if (torch.compiler.is_compiling() or not native.enabled()
+            or not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1 for t in small)
+            or a.shape != (batch, value_heads) or b.shape != a.shape or a.stride(0) != b.stride(0)
+            or neg_rate.shape != (value_heads,) or dt_bias.shape != (value_heads,)
+            or z.shape != (batch, value_heads * value_dim) or norm_weight.shape != (value_dim,)
+            or not _fits(mixed, conv_states, conv_weight, rec_states, slots, a, b, num_k_heads, key_dim, value_dim)
+            or not available()):
+        return None
+    out = mixed.new_empty(batch, value_heads * value_dim)  # [B, Hv * Dv]
+    _gated_fn(mixed.data_ptr(), mixed.stride(0), conv_states.data_ptr(), conv_weight.data_ptr(), conv_weight.shape[1],
+              rec_states.data_ptr(), slots.data_ptr(), a.data_ptr(), b.data_ptr(), a.stride(0), neg_rate.data_ptr(),
+              dt_bias.data_ptr(), z.data_ptr(), z.stride(0), norm_weight.data_ptr(), eps, batch, num_k_heads,
+              value_heads, key_dim, value_dim, out.data_ptr())
     return out

@@ -100,47 +100,62 @@ class GatedDeltaNet(nn.Module):
         conv_states = pool.conv[self.linear_index]  # [S, conv_dim, K-1]
         rec_states = pool.recurrent[self.linear_index]  # [S, Hv, Dk, Dv]
         weight = self.conv1d.weight[:, 0, :]  # [conv_dim, K]
-        beta = b.float().sigmoid()  # [T, Hv]
         neg_rate, dt_bias = self.decay_rate or (-self.A_log.float().exp(), self.dt_bias.float())
-        g = neg_rate * F.softplus(a.float() + dt_bias)  # [T, Hv] log decay
-        outputs = []
+        pieces = []  # [rows, value_dim] normed outputs: prefill rows, then decode rows
 
         split = batch.num_prefill_tokens
         if batch.prefill is not None:
             slot = batch.prefill.ssm_slot
+            g, beta = self._gates(a[:split], b[:split], neg_rate, dt_bias)  # [L, Hv] each
             window = torch.cat([conv_states[slot].to(mixed.dtype), mixed[:split].t()], dim=-1)  # [C, K-1+L]
             conv_states[slot] = window[:, -(self.conv_kernel - 1):].float()
             conv_out = F.silu(F.conv1d(window[None], weight[:, None, :], groups=self.conv_dim)[0]).t()  # [L, C]
             # Head-major for the chunked rule; q and k stay at the key heads (the rule groups them).
             q, k, v = (x.transpose(0, 1) for x in self._split_heads(conv_out))  # [H, L, D]
-            g_heads, beta_heads = g[:split].t(), beta[:split].t()  # [Hv, L]
+            g_heads, beta_heads = g.t(), beta.t()  # [Hv, L]
             capture = getattr(batch, "ssm_capture", None)
             row_states = getattr(batch, "ssm_row_states", None)
             if row_states is not None:
-                out, final = self._prefill_every_row(window, mixed[:split], g[:split], beta[:split],
-                                                     rec_states[slot], row_states)
+                out, final = self._prefill_every_row(window, mixed[:split], g, beta, rec_states[slot], row_states)
             elif capture is None:
                 out, final = chunked_gated_delta_rule(q, k, v, g_heads, beta_heads, rec_states[slot])
             else:
                 out, final = self._prefill_with_capture(window, q, k, v, g_heads, beta_heads,
                                                         rec_states[slot], capture)
             rec_states[slot] = final
-            outputs.append(out.transpose(0, 1))  # [L, Hv, Dv]
+            pieces.append(self._norm(out.transpose(0, 1), z[:split], x.dtype))  # from [L, Hv, Dv]
 
         if batch.decode is not None:
             group = batch.decode
-            rows, g_rows, beta_rows = mixed[split:], g[split:], beta[split:]  # [B, C], [B, Hv], [B, Hv]
-            out = gdn_step.decode(rows, conv_states, weight, rec_states, group.ssm_slots, g_rows, beta_rows,
-                                  self.num_k_heads, self.head_k_dim, self.head_v_dim)
-            if out is None:
-                out = self._decode_rows(rows, g_rows, beta_rows, conv_states, rec_states, group.ssm_slots,
-                                        group.slot_range)
-            outputs.append(out)  # [B, Hv, Dv]
+            rows = mixed[split:]  # [B, C]
+            # The native step computes the gates and the output norm itself (fp32).
+            normed = gdn_step.decode_gated(rows, conv_states, weight, rec_states, group.ssm_slots, a[split:],
+                                           b[split:], neg_rate, dt_bias, z[split:], self.norm.weight, self.norm.eps,
+                                           self.num_k_heads, self.head_k_dim, self.head_v_dim)
+            if normed is None:
+                g_rows, beta_rows = self._gates(a[split:], b[split:], neg_rate, dt_bias)  # [B, Hv] each
+                out = gdn_step.decode(rows, conv_states, weight, rec_states, group.ssm_slots, g_rows, beta_rows,
+                                      self.num_k_heads, self.head_k_dim, self.head_v_dim)
+                if out is None:
+                    out = self._decode_rows(rows, g_rows, beta_rows, conv_states, rec_states, group.ssm_slots,
+                                            group.slot_range)
+                normed = self._norm(out, z[split:], x.dtype)
+            pieces.append(normed)  # [B, value_dim]
 
-        core = torch.cat(outputs, dim=0) if len(outputs) > 1 else outputs[0]  # [T, Hv, Dv]
-        core = self.norm(core.to(x.dtype), z.view(num_tokens, self.num_v_heads, self.head_v_dim))
-        core = core.reshape(num_tokens, self.value_dim)
+        core = torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]  # [T, value_dim]
         return self.fused_out(core) if self.fused_out is not None else self.out_proj(core)
+
+    @staticmethod
+    def _gates(a: torch.Tensor, b: torch.Tensor, neg_rate: torch.Tensor,
+               dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Raw gate projections a, b [R, Hv] -> (g log decay, beta), [R, Hv] float32 each."""
+        return neg_rate * F.softplus(a.float() + dt_bias), b.float().sigmoid()
+
+    def _norm(self, out: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The gated output norm of recurrence outputs [R, Hv, Dv] with gate z [R, value_dim] -> [R, value_dim]."""
+        rows = out.shape[0]
+        normed = self.norm(out.to(dtype), z.view(rows, self.num_v_heads, self.head_v_dim))
+        return normed.reshape(rows, self.value_dim)
 
     def _prefill_every_row(self, window: torch.Tensor, rows: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                            state: torch.Tensor, row_states: SSMRowStates) -> tuple[torch.Tensor, torch.Tensor]:

@@ -97,6 +97,39 @@ def test_gdn_kernel_equals_tensor_decode_step(slots, slot_range):
     assert torch.equal(rec_native[untouched], rec[untouched])
 
 
+@needs_kernels
+@pytest.mark.parametrize("slots, slot_range", [([4, 0, 2], None), ([1, 2, 3, 4], (1, 5))])
+def test_gdn_gated_kernel_equals_torch_gates_and_norm(slots, slot_range):
+    """The gates (softplus, sigmoid) and the GatedRMSNorm folded into the native step match the torch path."""
+    layer, conv, rec = _layer_and_pools(6, seed=10 + len(slots))
+    batch, heads = len(slots), layer.num_v_heads
+    with torch.no_grad():
+        layer.A_log.normal_(0, 1)
+        layer.dt_bias.normal_(0, 1)
+        layer.norm.weight.normal_(1, 0.3)
+    # One projection output split as forward() splits it: strided views of a wider row.
+    projected = torch.randn(batch, layer.conv_dim + layer.value_dim + 2 * heads + 3) * 2
+    rows, z, b, a = projected[:, :-3].split([layer.conv_dim, layer.value_dim, heads, heads], dim=-1)
+    a[0, 0] = 25.0  # softplus's linear branch (torch: threshold 20)
+    neg_rate, dt_bias = -layer.A_log.exp(), layer.dt_bias.detach()
+    index = torch.tensor(slots)
+    conv_native, rec_native = conv.clone(), rec.clone()
+    got = gdn_step.decode_gated(rows, conv_native, layer.conv1d.weight[:, 0, :], rec_native, index, a, b,
+                                neg_rate.detach(), dt_bias, z, layer.norm.weight.detach(), layer.norm.eps,
+                                layer.num_k_heads, layer.head_k_dim, layer.head_v_dim)
+    with torch.no_grad():
+        g, beta = layer._gates(a, b, neg_rate, dt_bias)
+        out = layer._decode_rows(rows, g, beta, conv, rec, index, slot_range)
+        expected = layer._norm(out, z, torch.float32)
+    assert got is not None and got.shape == expected.shape == (batch, layer.value_dim)
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(rec_native, rec, rtol=1e-5, atol=1e-5)
+    assert torch.equal(conv_native, conv)
+    assert gdn_step.decode_gated(rows, conv, layer.conv1d.weight[:, 0, :], rec, index, a, b, neg_rate.detach(),
+                                 dt_bias, z[:, :-1], layer.norm.weight.detach(), layer.norm.eps, layer.num_k_heads,
+                                 layer.head_k_dim, layer.head_v_dim) is None  # a gate that does not fit: declined
+
+
 def test_gdn_kernel_declines_other_dtypes():
     layer, conv, rec = _layer_and_pools(2, seed=0)
     rows = torch.randn(1, layer.conv_dim, dtype=torch.bfloat16)
