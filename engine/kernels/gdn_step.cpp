@@ -1,6 +1,8 @@
 // The Gated DeltaNet decode step of one layer, fused: per sequence, the causal conv over its
 // window (conv state + the new input, state shifted in place), SiLU, the l2-normalised q and k
-// heads, and the recurrence per value head on its pooled state (in place).
+// heads, and the recurrence per value head on its pooled state (in place). gdn_decode_gated_f32
+// also computes the gates (sigmoid, softplus) from the raw projections and applies the output's
+// GatedRMSNorm, so that the layer's decode runs no torch op between its two GEMMs.
 //
 // Per head, with e = exp(g), the state S [Dk, Dv] becomes S' = e S + k delta^T where
 // delta = beta (v - k^T (e S)), and the output is q^T S' = q^T (e S) + (q . k) delta.
