@@ -12,12 +12,16 @@ class KVStore:
     """
 
     def __init__(self, layer_ids: list[int], num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+                 head_dim: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 scratch_block: bool = False):
+        """``scratch_block``: one more block past the last, outside the block manager's range
+        (``scratch_block_id``): the compiled decode step's padding rows write their K/V there."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"KVStore needs num_blocks > 0 and block_size > 0, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.scratch_block_id: int | None = num_blocks if scratch_block else None
+        shape = (num_blocks + int(scratch_block), block_size, num_kv_heads, head_dim)
         self.keys = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
         self.values = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
 
