@@ -105,6 +105,19 @@ class SSMPool:
         for slot in slots:
             self._mark(slot)
 
+    def write_rows(self, layer: int, slots: torch.Tensor, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """A forward's new states for ``slots`` [B] of linear layer ``layer``: conv [B, C, K-1], recurrent
+        [B, Hv, Dk, Dv]. Eager copies into the layer's view; a compiled graph writes the base tensors by
+        (layer, slot) instead: inductor turns a write into a view of a graph input into a copy of the
+        whole layer (every slot, each step), and a write into the input itself into an in-place one."""
+        if not torch.compiler.is_compiling():
+            self.conv[layer].index_copy_(0, slots, conv)
+            self.recurrent[layer].index_copy_(0, slots, recurrent)
+            return
+        layers = torch.full_like(slots, layer)
+        self.conv.index_put_((layers, slots), conv)
+        self.recurrent.index_put_((layers, slots), recurrent)
+
     def normalize(self, slot: int, max_norm: float) -> bool:
         """Scale down any head whose recurrent-state Frobenius norm exceeds ``max_norm``.
 

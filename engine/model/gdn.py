@@ -141,8 +141,7 @@ class GatedDeltaNet(nn.Module):
             q, k, v = self._split_heads(conv_out)
             outputs.append(recurrent_gated_delta_step(q, k, v, g[split:], beta[split:], state))  # [B, Hv, Dv]
             if group.slot_range is None:
-                conv_states.index_copy_(0, group.ssm_slots, conv_view)
-                rec_states.index_copy_(0, group.ssm_slots, state)
+                pool.write_rows(self.linear_index, group.ssm_slots, conv_view, state)
 
         core = torch.cat(outputs, dim=0) if len(outputs) > 1 else outputs[0]  # [T, Hv, Dv]
         core = self.norm(core.to(x.dtype), z.view(num_tokens, self.num_v_heads, self.head_v_dim))
