@@ -34,6 +34,13 @@ class KVStore:
 
     def write(self, layer_id: int, kv_slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """kv_slots: [T]; key/value: [T, num_kv_heads, head_dim]."""
+        if torch.compiler.is_compiling():
+            # Written by (block, offset) into the store itself: inductor turns a write into a view of a
+            # graph input into a copy of the whole store per layer and step (the compiled decode step).
+            blocks, offsets = kv_slots // self.block_size, kv_slots % self.block_size
+            self.keys[layer_id].index_put_((blocks, offsets), key)
+            self.values[layer_id].index_put_((blocks, offsets), value)
+            return
         kv_heads, head_dim = key.shape[1:]
         self.keys[layer_id].view(-1, kv_heads, head_dim).index_copy_(0, kv_slots, key)
         self.values[layer_id].view(-1, kv_heads, head_dim).index_copy_(0, kv_slots, value)

@@ -143,3 +143,13 @@ def test_inductor_step_matches_eager_greedy(tiny):
     eager, _, _ = _greedy_decode(tiny, None, steps=6)
     compiled, runner, flags = _greedy_decode(tiny, CompileSettings("inductor", buckets=(4, 8)), steps=6)
     assert compiled == eager and all(flags) and runner.compiled_decode.num_recompiles == 0
+
+
+def test_generate_with_compile_equals_eager_and_reports_the_compile(tiny):
+    from engine.generate import generate
+    from engine.scheduler.sampling import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    eager = generate(tiny, None, [5, 6, 7], params, stop_at_eos=False)
+    compiled = generate(tiny, None, [5, 6, 7], params, stop_at_eos=False, compile=CHEAP)
+    assert compiled["tokens"] == eager["tokens"] and "compile" not in eager
+    assert compiled["compile"]["num_graphs"] == 1 and compiled["compile"]["num_recompiles"] == 0
