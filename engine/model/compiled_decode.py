@@ -96,6 +96,9 @@ class CompiledDecode:
             raise ValueError("the compiled decode step needs a KV store and SSM pool with scratch space")
         self.model, self.kv_store, self.ssm_pool = model, kv_store, ssm_pool
         self.block_size, self.settings, self.device = block_size, settings, device
+        # One cache entry per bucket on the same function: dynamo's per-function limit (8) would send
+        # the widest buckets back to eager without a word, so it is raised to fit them all twice over.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(settings.buckets))
         self._compiled = torch.compile(self._decode, backend=settings.backend, mode=settings.mode,
                                        dynamic=False)
         self.buckets_run: set[int] = set()  # buckets this step has run (a compile for one of them is a recompile)
