@@ -27,7 +27,7 @@ from engine.scheduler.loop import Scheduler
 from telemetry.events import RunStarted
 from telemetry.levers import LeverValues
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("chunkscope.compile")
 
 BLOCK_SIZE = 16
 VERSIONED_PACKAGES = ("torch", "streamlit", "plotly", "watchdog", "sqlite-utils", "safetensors", "tokenizers")

@@ -24,7 +24,7 @@ import torch
 
 from engine.model.batch import DecodeGroup, ForwardBatch
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("chunkscope.compile")
 
 COMPILE_CHOICES = ("auto", "on", "off")
 # Padded batch sizes: at most 2x the rows of a batch, and 7 graphs for every width up to 64.
