@@ -153,3 +153,18 @@ def test_generate_with_compile_equals_eager_and_reports_the_compile(tiny):
     compiled = generate(tiny, None, [5, 6, 7], params, stop_at_eos=False, compile=CHEAP)
     assert compiled["tokens"] == eager["tokens"] and "compile" not in eager
     assert compiled["compile"]["num_graphs"] == 1 and compiled["compile"]["num_recompiles"] == 0
+
+
+def test_a_recompile_is_counted_and_flagged(tiny):
+    """The counter is live: a guard that fails for a bucket already run (here the token ids' dtype)
+    compiles again, and that compile is flagged as a recompile."""
+    runner = ModelRunner(tiny, num_kv_blocks=8, num_ssm_slots=2, compile=CompileSettings("eager", buckets=(1,)))
+    step = runner.compiled_decode
+    step([], bucket=1)
+    step([], bucket=1)  # same shapes and guards: nothing compiles
+    assert [e["recompile"] for e in step.take_events()] == [False] and step.num_recompiles == 0
+    padded = step._padded_inputs
+    step._padded_inputs = lambda decodes, bucket: (padded(decodes, bucket)[0].int(), *padded(decodes, bucket)[1:])
+    step([], bucket=1)
+    events = step.take_events()
+    assert [e["recompile"] for e in events] == [True] and events[0]["num_recompiles"] == step.num_recompiles == 1
