@@ -75,10 +75,8 @@ def render(ctx: RunContext) -> None:
         st.warning(f"Run {ctx.run_id} is marked running but no tick has arrived for {age:.0f} s.")
     win = data.timeline_window(ctx.db, ctx.run_id, ctx.version, float(window_s))
     cap = MAX_STREAM_EVENTS if win.stream_events_capped else None
-    fig = charts.timeline_figure(win.forwards, win.stream_events, win.links, win.preemptions,
-                                 win.lever_changes, (win.start_ms, win.end_ms), stream_events_cap=cap,
-                                 kv_quant_changes=win.kv_quant_changes, rank_forwards=win.rank_forwards)
-    clicked = live_timeline.render(fig, key="live_timeline", revision=end_ns)   # stays mounted: zoom kept
+    spec = data.timeline_spec(ctx.db, ctx.run_id, ctx.version, float(window_s))
+    clicked = live_timeline.render(spec, key="live_timeline", revision=end_ns)   # stays mounted: zoom kept
     open_clicked_request(ctx, clicked)
     mode = "bucketed into WebGL segments" if win.is_bucketed else "one bar per forward"
     st.caption(f"last {window_s} s of run {ctx.run_id} ({ctx.run.get('status')}): {win.num_forwards} forwards, "

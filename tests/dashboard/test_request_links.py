@@ -63,3 +63,4 @@ def test_chunks_request_ids_link_to_the_requests_page(real_app, real_run_dir):
     table = at.dataframe[0].value
     run_id = real_run_dir.one("SELECT MAX(run_id) FROM runs")
     assert table["request_id"].str.fullmatch(rf"requests\?run={run_id}&request=\d+").all()
+
