@@ -7,10 +7,10 @@ module provides ``add_parser(subparsers)`` that registers its sub-parser with
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from engine import generate, replay, serve
+from telemetry.cli_errors import report_unexpected
 
 COMMANDS = [generate, serve, replay]
 
@@ -23,7 +23,6 @@ from engine.model.errors import RankFailure  # noqa: E402
 EXIT_RANK_FAILURE = 3
 
 USER_ERRORS = (ValueError, CheckpointError, KVCacheExhausted, SSMPoolExhausted, OSError)
-TRACEBACK_ENV = "CHUNKSCOPE_TRACEBACK"   # set to 1 to see the traceback of an unexpected error
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -49,12 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: out of memory: ask for fewer KV blocks, SSM slots or tokens", file=sys.stderr)
         return 2
     except Exception as err:  # a bug: one line for the user, the traceback on request
-        if os.environ.get(TRACEBACK_ENV) == "1":
-            raise
-        print(f"error: unexpected {type(err).__name__}: {one_line(err)} (set {TRACEBACK_ENV}=1 for the "
-              f"traceback)", file=sys.stderr)
-        return 1
-
+        return report_unexpected(err)
 
 def one_line(err: BaseException) -> str:
     """The error's message on one line (an OSError with its path, long paths shortened)."""

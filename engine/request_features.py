@@ -7,8 +7,10 @@ the API and the scheduler share it without torch.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any
+
+from engine.json_fields import strict_kwargs
 
 SOURCE_WORKLOAD = "workload"
 SOURCE_API = "api"
@@ -52,18 +54,7 @@ class RequestFeatures:
         """From a stored dict (a request row, a workload.jsonl line); unknown keys are an error."""
         if data is None:
             return cls()
-        if not isinstance(data, dict):
-            raise ValueError(f"features must be a JSON object, got {type(data).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"features: unknown field(s) {unknown}; known: {sorted(known)}")
-        kwargs = dict(data)
-        if "stop_strings" in kwargs:
-            stops = kwargs["stop_strings"]
-            if not isinstance(stops, (list, tuple)):
-                raise ValueError(f"features.stop_strings must be a list of strings, got {stops!r}")
-            kwargs["stop_strings"] = tuple(stops)
+        kwargs = strict_kwargs(cls, data, "features", "stop_strings", "strings")
         return cls(**kwargs).validate()
 
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 
-TRACEBACK_ENV = "CHUNKSCOPE_TRACEBACK"   # set to 1 to see the traceback of an unexpected error
+from telemetry.cli_errors import report_unexpected
+
 COMMAND_MODULES = ("telemetry.cli_runs", "telemetry.cli_levers", "telemetry.cli_export")
 
 
@@ -36,11 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err.strerror or err}" + (f": {name}" if name else ""), file=sys.stderr)
         return 1
     except Exception as err:  # a bug: one line for the user, the traceback on request
-        if os.environ.get(TRACEBACK_ENV) == "1":
-            raise
-        print(f"error: unexpected {type(err).__name__}: {' '.join(str(err).split())} (set {TRACEBACK_ENV}=1 "
-              f"for the traceback)", file=sys.stderr)
-        return 1
+        return report_unexpected(err)
 
 
 if __name__ == "__main__":

@@ -13,11 +13,12 @@ so neither batch size nor row order can change a seeded request's tokens.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Sequence
 
 import torch
 
+from engine.json_fields import strict_kwargs
 from engine.scheduler.mixing import SPEC_MTP, is_speculative
 
 
@@ -71,18 +72,7 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "SamplingParams":
         """Build from a JSON-like dict; unknown keys are an error (typos must not pass silently)."""
-        if not isinstance(data, dict):
-            raise ValueError(f"sampling must be a JSON object, got {type(data).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"sampling: unknown field(s) {unknown}; known: {sorted(known)}")
-        kwargs = dict(data)
-        if "stop_token_ids" in kwargs:
-            stops = kwargs["stop_token_ids"]
-            if not isinstance(stops, (list, tuple)):
-                raise ValueError(f"sampling.stop_token_ids must be a list of ints, got {stops!r}")
-            kwargs["stop_token_ids"] = tuple(stops)
+        kwargs = strict_kwargs(cls, data, "sampling", "stop_token_ids", "ints")
         return cls(**kwargs)
 
 
