@@ -116,8 +116,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_telemetry:
         writer, telemetry_error = _open_telemetry(db_path, setup, args, feed)
     sched = setup.scheduler
-    if api is not None:  # /metrics sees every event the writer sees
-        sched.attach_telemetry(api.metrics.tee(writer.emit if writer is not None else None))
+    if api is not None:  # /metrics sees every event the writer sees; first tokens go out as sampled
+        sched.attach_telemetry(api.tee(writer.emit if writer is not None else None))
     sched.keep_recent_done(DONE_KEPT)
     status_file = StatusReporter(run_dir)
     _log_env_levers(sched)

@@ -20,6 +20,10 @@ from telemetry import events as ev
 
 log = logging.getLogger("chunkscope.api")
 CANCEL_REASON = CLIENT_DISCONNECTED
+# How long the tick loop waits at a tick boundary for the HTTP thread to write the tick's
+# first tokens: a handful of handler steps take well under a millisecond; the bound keeps a
+# stalled server thread from holding up the engine.
+FIRST_TOKEN_WAIT_S = 0.005
 
 
 class QueueFull(Exception):
@@ -34,22 +38,39 @@ class Outbox:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
 
-def _deliver(items: list[tuple[Outbox, Any]]) -> None:
+def _put(items: list[tuple[Outbox, Any]]) -> None:
     for outbox, item in items:
         outbox.queue.put_nowait(item)
 
 
-def send_all(items: list[tuple[Outbox, Any]]) -> None:
+def _deliver(urgent: list[tuple[Outbox, Any]], rest: list[tuple[Outbox, Any]],
+             written: threading.Event | None) -> None:
+    """On the server's loop: wake the handlers of ``urgent`` items first; ``written`` is set once
+    they have run (their steps are queued before it), then the rest are handed out."""
+    _put(urgent)
+    loop = asyncio.get_running_loop()
+    if written is not None:
+        loop.call_soon(written.set)
+    if rest:
+        loop.call_soon(_put, rest)
+
+
+def send_all(items: list[tuple[Outbox, Any]], urgent: list[tuple[Outbox, Any]] = (),
+             written: threading.Event | None = None) -> None:
     """Hand items to their outboxes with one wake-up per event loop (not one per item): a tick's
-    tokens for 64 streams cost the engine thread one self-pipe write, not 64."""
-    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-    for outbox, item in items:
-        by_loop.setdefault(outbox.loop, []).append((outbox, item))
-    for loop, batch in by_loop.items():
+    tokens for 64 streams cost the engine thread one self-pipe write, not 64. ``urgent`` items
+    (first tokens: what TTFT waits for) are handled before the others, and ``written`` is set
+    once their handlers have run."""
+    by_loop: dict[asyncio.AbstractEventLoop, tuple[list, list]] = {}
+    for batch, pairs in ((0, urgent), (1, items)):
+        for outbox, item in pairs:
+            by_loop.setdefault(outbox.loop, ([], []))[batch].append((outbox, item))
+    for loop, (first, rest) in by_loop.items():
         try:
-            loop.call_soon_threadsafe(_deliver, batch)
+            loop.call_soon_threadsafe(_deliver, first, rest, written if first else None)
         except RuntimeError:   # the server's loop is closed (shutdown): nobody is listening
-            pass
+            if first and written is not None:
+                written.set()
 
 
 @dataclass(frozen=True)
@@ -103,6 +124,8 @@ class EngineBridge:
         self._tracked: dict[int, _Tracked] = {}   # engine thread only, by request id
         self._request_id_of: dict[int, int] = {}  # engine thread only: handle -> request id
         self._wake = threading.Event()
+        self._written = threading.Event()   # set once the HTTP thread has written the first tokens sent
+        self._first_in_flight = False        # engine thread: first tokens sent since the last publish
 
     # ---- HTTP thread --------------------------------------------------------------------
     def submit(self, prompt_tokens: list[int], sampling: dict, features: RequestFeatures,
@@ -151,25 +174,49 @@ class EngineBridge:
                              sched.tick, CANCEL_REASON, request.num_generated)
         self.num_waiting = len(sched.waiting)
 
+    def first_token(self, request_id: int) -> None:
+        """A request's first token was just sampled (mid-tick): send it now, ahead of everything
+        else on the HTTP thread, instead of after the rest of the tick."""
+        tracked = self._tracked.get(request_id)
+        if tracked is None or tracked.num_sent > 0:
+            return
+        if not self._first_in_flight:
+            self._written.clear()
+            self._first_in_flight = True
+        send_all([], [(tracked.outbox, self._new_tokens(tracked))], self._written)
+
     def publish(self, sched) -> None:
-        """Send each API request's new tokens, and its end, to its outbox."""
+        """Send each API request's new tokens, and its end, to its outbox (a tick boundary).
+
+        When first tokens went out during the tick, the loop first waits (at most
+        ``FIRST_TOKEN_WAIT_S``; usually they are written already) until the HTTP thread has
+        written them: both threads need the GIL, and the next tick's Python would hold it."""
         self.num_waiting = len(sched.waiting)
-        ended, out = [], []
+        ended, first, out = [], [], []
         for request_id, tracked in self._tracked.items():
             request = tracked.request
-            num = len(request.output_tokens)
-            if num > tracked.num_sent:
-                out.append((tracked.outbox, Tokens(request.output_tokens[tracked.num_sent:num],
-                                                   request.logprobs[tracked.num_sent:num])))
-                tracked.num_sent = num
+            if len(request.output_tokens) > tracked.num_sent:
+                (first if tracked.num_sent == 0 else out).append((tracked.outbox, self._new_tokens(tracked)))
             if request.finished_ns is not None:
                 out.append((tracked.outbox, Ended(request.status, request.finish_reason, request.error,
-                                                  request.prompt_len, num, request.first_token_rules)))
+                                                  request.prompt_len, tracked.num_sent, request.first_token_rules)))
                 ended.append(request_id)
-        if out:
-            send_all(out)
+        if first and not self._first_in_flight:
+            self._written.clear()
+            self._first_in_flight = True
+        if first or out:
+            send_all(out, first, self._written if first else None)
+        if self._first_in_flight:
+            self._written.wait(FIRST_TOKEN_WAIT_S)
+            self._first_in_flight = False
         for request_id in ended:
             self._request_id_of.pop(self._tracked.pop(request_id).handle, None)
+
+    @staticmethod
+    def _new_tokens(tracked: _Tracked) -> Tokens:
+        request, start = tracked.request, tracked.num_sent
+        tracked.num_sent = num = len(request.output_tokens)
+        return Tokens(request.output_tokens[start:num], request.logprobs[start:num])
 
     def close(self, sched) -> None:
         """Shutdown (after ``sched.stop()``): whatever is still queued or tracked learns it ended."""

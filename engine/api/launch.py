@@ -5,13 +5,16 @@ import argparse
 import itertools
 import logging
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.api.bridge import EngineBridge
 from engine.api.chat_template import ChatTemplate
 from engine.api.metrics import EngineMetrics
 from engine.api.parse import EngineInfo
 from engine.api.server import APIServer, build_app
+from telemetry import events as ev
 from telemetry.cli_args import bounded_int
 
 log = logging.getLogger("chunkscope.api")
@@ -19,6 +22,7 @@ DEFAULT_MAX_WAITING = 256
 # The tick loop releases the GIL at every torch op; while the HTTP thread holds it, the loop
 # waits up to the switch interval (5 ms by default) per op. A short interval bounds that stall.
 GIL_SWITCH_INTERVAL_S = 0.0002
+FIRST_TOKEN_EVENT = "first_token"   # the RequestEvent kind engine/scheduler/outputs.append_token emits
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,6 +47,17 @@ class API:
         """Request ids in arrival order across API and workload requests (serve renumbers the
         workload's while the API runs, so the two never collide)."""
         return next(self._ids)
+
+    def tee(self, emit: Callable[[Any], None] | None) -> Callable[[Any], None]:
+        """The scheduler's emit while the API runs: a first token goes to its client the moment it
+        is sampled (not after the rest of the tick), /metrics sees every event, then ``emit``."""
+        observe, first_token = self.metrics.tee(emit), self.bridge.first_token
+
+        def on_event(event: Any) -> None:
+            if type(event) is ev.RequestEvent and event.kind == FIRST_TOKEN_EVENT:
+                first_token(event.request_id)
+            observe(event)
+        return on_event
 
     def before_tick(self, sched) -> None:
         """A tick boundary: new requests and cancellations reach the scheduler."""

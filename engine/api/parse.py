@@ -7,7 +7,7 @@ in ``protocol.py`` and a line here.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
@@ -37,6 +37,14 @@ class EngineInfo:
     grammars: Any = None           # engine.grammar.compiler.GrammarCompiler (None: no grammar support)
     tool_call_start_id: int | None = None
     tool_call_end_id: int | None = None
+    # id -> its text alone (logprobs name each token): filled as ids come, HTTP thread only
+    _token_texts: dict[int, str] = field(default_factory=dict, compare=False, repr=False)
+
+    def token_text(self, token: int) -> str:
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.tokenizer.decode([token])
+        return text
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ class _Reply:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.info.model_name}
 
     def _token_text(self, token: int) -> str:
-        return self.info.tokenizer.decode([token])
+        return self.info.token_text(token)
 
     def usage(self) -> dict:
         assert self.ended is not None

@@ -16,7 +16,7 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from engine.api.bridge import EngineBridge, Ended, Outbox, QueueFull, Tokens
@@ -25,11 +25,15 @@ from engine.api.metrics import CONTENT_TYPE, EngineMetrics
 from engine.api.parse import MAX_BODY_BYTES, EngineInfo, EngineRequest, chat_request, completion_request, validate
 from engine.api.protocol import ChatCompletionRequest, CompletionRequest
 from engine.api.replies import ChatReply, CompletionReply
+from engine.api.sse import EventStream
 from telemetry import events as ev
 
 log = logging.getLogger("chunkscope.api")
 RETRY_AFTER_S = 1
 CLIENT_CLOSED = 499      # nginx's "client closed request": nobody reads it, the log does
+GONE = object()          # put in a stream's outbox when its client disconnects
+# json.dumps(chunk, ensure_ascii=False) builds an encoder per call; one encoder for every chunk
+_encode = json.JSONEncoder(ensure_ascii=False, check_circular=False).encode
 _END_STATUS = {ev.REQ_ERROR: (500, TYPE_SERVER), ev.REQ_PREEMPTED: (503, TYPE_SERVER),
                ev.REQ_REJECTED: (400, "invalid_request_error"), ev.REQ_CANCELLED: (503, TYPE_SERVER)}
 
@@ -83,8 +87,8 @@ def build_app(info: EngineInfo, bridge: EngineBridge, metrics: EngineMetrics, ap
             raise APIError(429, str(exc), type=TYPE_RATE, code="too_many_waiting",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         if engine_request.stream:
-            return StreamingResponse(_events(handle, outbox, reply, engine_request.include_usage),
-                                     media_type="text/event-stream")
+            return EventStream(_events(handle, outbox, reply, engine_request.include_usage),
+                               on_gone=lambda: outbox.queue.put_nowait(GONE))
         return await _whole(request, handle, outbox, reply)
 
     async def _whole(request: Request, handle: int, outbox: Outbox, reply) -> Response:
@@ -113,6 +117,8 @@ def build_app(info: EngineInfo, bridge: EngineBridge, metrics: EngineMetrics, ap
         try:
             while not is_over:
                 item = _merged(await outbox.queue.get(), outbox.queue)
+                if item is GONE:
+                    break
                 if isinstance(item, Tokens):
                     chunks = reply.on_tokens(item)
                 elif item.status == ev.REQ_FINISHED:
@@ -121,9 +127,12 @@ def build_app(info: EngineInfo, bridge: EngineBridge, metrics: EngineMetrics, ap
                 else:
                     is_over = True
                     chunks = [_ended_error(item).body()]
-                for chunk in chunks:
-                    yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
-            yield "data: [DONE]\n\n"
+                # One event per chunk, one write for the lot (the last one ends with [DONE]).
+                events = "".join(f"data: {_encode(chunk)}\n\n" for chunk in chunks)
+                if is_over:
+                    events += "data: [DONE]\n\n"
+                if events:
+                    yield events.encode()
         finally:
             if not is_over:   # the client went away (or the send failed): stop computing for it
                 bridge.cancel(handle)

@@ -3,6 +3,11 @@
 The engine ends a request once its text contains a stop string (``outputs.py``); the text
 a client sees stops before it (OpenAI's rule). While streaming, the tail that could still
 become a stop string is held back until the next tokens decide it.
+
+Decoding is incremental, as vLLM and transformers' streamers do it: each push decodes only
+the tokens since the last complete character, with a few tokens before them as context (a
+tokenizer may render a token differently at the start of a text), so a reply of n tokens
+costs O(n) decoding, not O(n^2).
 """
 from __future__ import annotations
 
@@ -22,9 +27,22 @@ class TextStream:
         self._holdback = max((len(s) for s in stop_strings), default=1) - 1
         self.tokens: list[int] = []
         self.sent = 0          # characters already handed out
+        self._done = ""        # the text of tokens[:_read], which ends on a complete character
+        self._prefix = 0       # tokens[_prefix:_read] is the decoding context of what follows
+        self._read = 0
 
     def _text(self) -> str:
-        return self._detokenize(self.tokens)
+        """The text of every token so far (an unfinished character shows as REPLACEMENT)."""
+        if self._read == len(self.tokens):
+            return self._done
+        context = self._detokenize(self.tokens[self._prefix:self._read])
+        tail = self._detokenize(self.tokens[self._prefix:])
+        new = tail[len(context):]
+        if new and not new.endswith(REPLACEMENT) and tail.startswith(context):
+            self._done += new                       # complete: the context moves up
+            self._prefix, self._read = self._read, len(self.tokens)
+            return self._done
+        return self._done + new
 
     def push(self, tokens: list[int]) -> str:
         """Add tokens; returns the new text that is certain (may be empty)."""
