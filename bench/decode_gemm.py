@@ -1,12 +1,15 @@
-"""Which GEMM serves decode-sized inputs fastest: MKL sgemm, MKL packed sgemm or oneDNN's prepacked copy?
+"""Which GEMM serves decode-sized inputs fastest, and what the native decode kernels buy in the whole step?
 
     python bench/decode_gemm.py [--batches 1,8,32] [--rounds 3] [--step]
 
 Part 1 multiplies [B, 576] inputs by 30 distinct 3072x576 fp32 weights (212 MB together, more
 than the caches hold, so each is streamed from memory as in a SmolLM-size decode step) through
-each kind, interleaved round by round, and prints GB/s of weight streamed (best of rounds, thread
-CPU time). Part 2 (``--step``) times the whole SmolLM-size decode step with the engine's decode
-prepacking on and off, interleaved step by step. The engine uses oneDNN's copy (layers.py).
+each kind: MKL sgemm, MKL packed sgemm, oneDNN's prepacked copy and the native skinny GEMM
+(engine/kernels/skinny_gemm.cpp, the weight in its own layout), interleaved round by round, and
+prints GB/s of weight streamed (best of rounds, thread CPU time). Part 2 (``--step``) times the
+whole SmolLM-size decode step, interleaved step by step, four ways: MKL sgemm only (no decode
+prepacking, no native kernels), oneDNN decode prepacking, + the fused native GDN step, + the
+native skinny GEMM (the engine's default where the kernels build).
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from engine.kernels import native, skinny_gemm
 from engine.model.cpu_features import cpu_flags, cpu_model, isa_summary
 
 NUM_WEIGHTS, OUT, IN = 30, 3072, 576
@@ -35,6 +39,9 @@ def gemm_kinds(batches: list[int], rounds: int) -> None:
     mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, max(batches)) for w in weights]
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 512) for w in weights]  # the engine's hint
     total_bytes = NUM_WEIGHTS * OUT * IN * 4
+    has_skinny = skinny_gemm.available()
+    if not has_skinny:
+        print("native skinny GEMM unavailable here (see the log line): its column is left out")
     for batch in batches:
         x = torch.randn(batch, IN)
         kinds = {
@@ -42,6 +49,8 @@ def gemm_kinds(batches: list[int], rounds: int) -> None:
             "mkl packed": lambda: [torch.ops.mkl._mkl_linear(x, p, w, None, batch) for p, w in zip(mkl, weights)],
             "onednn packed": lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in onednn],
         }
+        if has_skinny and batch <= skinny_gemm.MAX_ROWS:
+            kinds["native skinny"] = lambda: [skinny_gemm.linear(x, w) for w in weights]
         best: dict[str, float] = {}
         for _ in range(rounds):
             for kind, fn in kinds.items():
@@ -50,29 +59,40 @@ def gemm_kinds(batches: list[int], rounds: int) -> None:
                                                for kind, s in best.items()))
 
 
+# (decode prepacking, native GDN step, native skinny GEMM) per configuration of part 2.
+STEP_CONFIGS = {
+    "sgemm": (False, False, False),
+    "onednn": (True, False, False),
+    "+gdn kernel": (True, True, False),
+    "+skinny gemm": (True, True, True),
+}
+
+
 def whole_step(batches: list[int], rounds: int) -> None:
     import bench.forward as forward
     from engine.model import layers
 
     forward.CLOCK = time.thread_time
-    ours = forward.Ours(forward.build("smol", torch.float32), 2 * rounds * len(batches) + 2)
-    times: dict[tuple[int, bool], list[float]] = {}
+    ours = forward.Ours(forward.build("smol", torch.float32), len(STEP_CONFIGS) * rounds * len(batches) + 2)
+    times: dict[tuple[int, str], list[float]] = {}
     for _ in range(rounds):
         for batch in batches:
-            for on in (True, False):
-                layers.DECODE_PREPACK_ENABLED = on
-                times.setdefault((batch, on), []).append(ours.decode_step(batch))
-    layers.DECODE_PREPACK_ENABLED = True
+            for name, (prepack, gdn, skinny) in STEP_CONFIGS.items():
+                layers.DECODE_PREPACK_ENABLED, native.ENABLED, skinny_gemm.ENABLED = prepack, gdn, skinny
+                times.setdefault((batch, name), []).append(ours.decode_step(batch))
+    layers.DECODE_PREPACK_ENABLED = native.ENABLED = skinny_gemm.ENABLED = True
     for batch in batches:
-        on, off = (statistics.median(times[(batch, flag)]) * 1e3 for flag in (True, False))
-        print(f"smol decode b{batch:<2}: prepacked {on:7.1f} ms  sgemm {off:7.1f} ms  speed-up {off / on:4.2f}x")
+        ms = {name: statistics.median(times[(batch, name)]) * 1e3 for name in STEP_CONFIGS}
+        base = ms["sgemm"]
+        print(f"smol decode b{batch:<2}: " + "  ".join(f"{name} {value:6.1f} ms ({base / value:4.2f}x)"
+                                                       for name, value in ms.items()))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--step", action="store_true", help="also time the whole smol decode step on / off")
+    parser.add_argument("--step", action="store_true", help="also time the whole smol decode step per configuration")
     args = parser.parse_args()
     torch.set_num_threads(1)
     batches = [int(b) for b in args.batches.split(",")]

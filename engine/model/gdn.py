@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.cache.ssm_pool import SSMPool
+from engine.kernels import gdn_step
 from engine.model.batch import ForwardBatch
 from engine.model.config import ModelConfig
 from engine.model.gdn_rule import CHUNK_SIZE, chunked_gated_delta_rule, recurrent_gated_delta_step
@@ -111,12 +112,12 @@ class GatedDeltaNet(nn.Module):
             conv_states[slot] = window[:, -(self.conv_kernel - 1):].float()
             conv_out = F.silu(F.conv1d(window[None], weight[:, None, :], groups=self.conv_dim)[0]).t()  # [L, C]
             # Head-major for the chunked rule; q and k stay at the key heads (the rule groups them).
-            q, k, v = (x.transpose(0, 1) for x in self._split_heads(conv_out, repeat_keys=False))  # [H, L, D]
+            q, k, v = (x.transpose(0, 1) for x in self._split_heads(conv_out))  # [H, L, D]
             g_heads, beta_heads = g[:split].t(), beta[:split].t()  # [Hv, L]
             capture = getattr(batch, "ssm_capture", None)
             row_states = getattr(batch, "ssm_row_states", None)
             if row_states is not None:
-                out, final = self._prefill_every_row(window, mixed.dtype, g[:split], beta[:split],
+                out, final = self._prefill_every_row(window, mixed[:split], g[:split], beta[:split],
                                                      rec_states[slot], row_states)
             elif capture is None:
                 out, final = chunked_gated_delta_rule(q, k, v, g_heads, beta_heads, rec_states[slot])
@@ -128,52 +129,48 @@ class GatedDeltaNet(nn.Module):
 
         if batch.decode is not None:
             group = batch.decode
-            if group.slot_range is not None:
-                # Consecutive slots: work on views of the pool, no gather / scatter.
-                conv_view = conv_states[group.slot_range[0]:group.slot_range[1]]  # [B, C, K-1]
-                state = rec_states[group.slot_range[0]:group.slot_range[1]]  # [B, Hv, Dk, Dv]
-            else:
-                conv_view = conv_states.index_select(0, group.ssm_slots)
-                state = rec_states.index_select(0, group.ssm_slots)
-            window = torch.cat([conv_view.to(mixed.dtype), mixed[split:, :, None]], dim=-1)  # [B, C, K]
-            conv_view.copy_(window[:, :, 1:])
-            conv_out = F.silu((window * weight).sum(-1))  # [B, C]
-            q, k, v = self._split_heads(conv_out)
-            outputs.append(recurrent_gated_delta_step(q, k, v, g[split:], beta[split:], state))  # [B, Hv, Dv]
-            if group.slot_range is None:
-                conv_states.index_copy_(0, group.ssm_slots, conv_view)
-                rec_states.index_copy_(0, group.ssm_slots, state)
+            rows, g_rows, beta_rows = mixed[split:], g[split:], beta[split:]  # [B, C], [B, Hv], [B, Hv]
+            out = gdn_step.decode(rows, conv_states, weight, rec_states, group.ssm_slots, g_rows, beta_rows,
+                                  self.num_k_heads, self.head_k_dim, self.head_v_dim)
+            if out is None:
+                out = self._decode_rows(rows, g_rows, beta_rows, conv_states, rec_states, group.ssm_slots,
+                                        group.slot_range, pool)
+            outputs.append(out)  # [B, Hv, Dv]
 
         core = torch.cat(outputs, dim=0) if len(outputs) > 1 else outputs[0]  # [T, Hv, Dv]
         core = self.norm(core.to(x.dtype), z.view(num_tokens, self.num_v_heads, self.head_v_dim))
         core = core.reshape(num_tokens, self.value_dim)
         return self.fused_out(core) if self.fused_out is not None else self.out_proj(core)
 
-    def _prefill_every_row(self, window: torch.Tensor, dtype: torch.dtype, g: torch.Tensor, beta: torch.Tensor,
+    def _prefill_every_row(self, window: torch.Tensor, rows: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                            state: torch.Tensor, row_states: SSMRowStates) -> tuple[torch.Tensor, torch.Tensor]:
-        """The segment one row at a time with the decode step's arithmetic, keeping every row's state.
+        """The segment one row at a time through the decode step itself, keeping every row's state.
 
-        window: [conv_dim, K-1+R]; g, beta: [R, Hv]; state: [Hv, Dk, Dv]. Returns (outputs
-        [Hv, R, Dv], final state). The conv is the decode step's weighted sum over each row's
-        K-wide window, so the rows match what R plain decode steps would compute.
+        window: [conv_dim, K-1+R] (old conv state, then the rows' inputs); rows: [R, conv_dim];
+        g, beta: [R, Hv]; state: [Hv, Dk, Dv]. Returns (outputs [Hv, R, Dv], final state). Each
+        row runs the code a plain decode step runs (native or tensor), so the kept states equal
+        what R decode steps would leave.
         """
-        kernel = self.conv_kernel
-        rows = window.shape[1] - (kernel - 1)
+        num_rows = rows.shape[0]
         weight = self.conv1d.weight[:, 0, :]  # [C, K]
-        windows = window.to(dtype).unfold(1, kernel, 1).transpose(0, 1)  # [R, C, K]
-        conv_out = F.silu((windows * weight).sum(-1))  # [R, C]
-        q, k, v = self._split_heads(conv_out)  # [R, H, D]
-        # After row r the conv state holds inputs r+1 .. r+K-1 of the window: [R, C, K-1].
-        row_states.conv[self.linear_index] = windows[:, :, 1:].float().clone()
-        state = state.clone()[None]  # [1, Hv, Dk, Dv]
-        kept = state.new_empty(rows, *state.shape[1:])  # [R, Hv, Dk, Dv]
+        conv_pool = state.new_empty(1, self.conv_dim, self.conv_kernel - 1)  # [1, C, K-1]: a one-slot pool
+        conv_pool[0] = window[:, :self.conv_kernel - 1]
+        rec_pool = state.clone()[None]  # [1, Hv, Dk, Dv]
+        slot = torch.zeros(1, dtype=torch.long, device=state.device)
+        kept_conv = conv_pool.new_empty(num_rows, *conv_pool.shape[1:])  # [R, C, K-1]
+        kept = rec_pool.new_empty(num_rows, *rec_pool.shape[1:])  # [R, Hv, Dk, Dv]
         outputs = []
-        for r in range(rows):
-            outputs.append(recurrent_gated_delta_step(q[r:r + 1], k[r:r + 1], v[r:r + 1], g[r:r + 1],
-                                                      beta[r:r + 1], state))  # [1, Hv, Dv]
-            kept[r] = state[0]
+        for r in range(num_rows):
+            row, g_row, beta_row = rows[r:r + 1], g[r:r + 1], beta[r:r + 1]
+            out = gdn_step.decode(row, conv_pool, weight, rec_pool, slot, g_row, beta_row, self.num_k_heads,
+                                  self.head_k_dim, self.head_v_dim)
+            if out is None:
+                out = self._decode_rows(row, g_row, beta_row, conv_pool, rec_pool, slot, (0, 1))
+            outputs.append(out)  # [1, Hv, Dv]
+            kept_conv[r], kept[r] = conv_pool[0], rec_pool[0]
+        row_states.conv[self.linear_index] = kept_conv
         row_states.recurrent[self.linear_index] = kept
-        return torch.cat(outputs).transpose(0, 1), state[0]
+        return torch.cat(outputs).transpose(0, 1), rec_pool[0]
 
     def _prefill_with_capture(self, window: torch.Tensor, q, k, v, g, beta, state: torch.Tensor,
                               capture: SSMCapture) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,17 +189,45 @@ class GatedDeltaNet(nn.Module):
         capture.recurrent[self.linear_index] = middle.clone()
         return torch.cat([head_out, tail_out], dim=1), final
 
-    def _split_heads(self, conv_out: torch.Tensor, repeat_keys: bool = True):
-        """[T, conv_dim] -> l2-normalised, scaled q, k and v in float32 ([T, H, D] each).
+    def _decode_rows(self, rows: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_states: torch.Tensor,
+                     rec_states: torch.Tensor, slots: torch.Tensor, slot_range: tuple[int, int] | None,
+                     pool: SSMPool | None = None) -> torch.Tensor:
+        """The decode step in tensor ops (where the native kernel does not run): -> [B, Hv, Dv].
 
-        ``repeat_keys`` repeats the k heads to the v heads (the decode step wants that); the
-        chunked rule takes them unrepeated.
+        rows [B, conv_dim] pre-conv inputs; g, beta [B, Hv]; conv_states [S, C, K-1] and
+        rec_states [S, Hv, Dk, Dv] the pools, updated in place at ``slots`` [B]: on views when
+        the slots are consecutive (``slot_range`` (first, end)), else on gathered copies
+        scattered back (through ``pool.write_rows`` when given: a compiled graph writes the pool itself).
+        """
+        weight = self.conv1d.weight[:, 0, :]  # [C, K]
+        if slot_range is not None:
+            conv_view = conv_states[slot_range[0]:slot_range[1]]  # [B, C, K-1]
+            state = rec_states[slot_range[0]:slot_range[1]]  # [B, Hv, Dk, Dv]
+        else:
+            conv_view, state = conv_states.index_select(0, slots), rec_states.index_select(0, slots)
+        window = torch.cat([conv_view.to(rows.dtype), rows[:, :, None]], dim=-1)  # [B, C, K]
+        conv_view.copy_(window[:, :, 1:])
+        conv_out = F.silu((window * weight).sum(-1))  # [B, C]
+        q, k, v = self._split_heads(conv_out)
+        repeat = self.num_v_heads // self.num_k_heads
+        if repeat > 1:
+            q, k = q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)  # [B, Hv, Dk]
+        out = recurrent_gated_delta_step(q, k, v, g, beta, state)
+        if slot_range is None and pool is not None:
+            pool.write_rows(self.linear_index, slots, conv_view, state)  # the base tensors while compiling
+        elif slot_range is None:
+            conv_states.index_copy_(0, slots, conv_view)
+            rec_states.index_copy_(0, slots, state)
+        return out
+
+    def _split_heads(self, conv_out: torch.Tensor):
+        """[T, conv_dim] -> l2-normalised, scaled q, k [T, Hk, Dk] and v [T, Hv, Dv], in float32.
+
+        q and k stay at the key heads: the chunked rule groups them, the tensor decode step
+        repeats them (``_decode_rows``).
         """
         tokens = conv_out.shape[0]
         q, k, v = conv_out.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = _l2norm(q.view(tokens, self.num_k_heads, self.head_k_dim)) * self.head_k_dim ** -0.5
         k = _l2norm(k.view(tokens, self.num_k_heads, self.head_k_dim))
-        repeat = self.num_v_heads // self.num_k_heads
-        if repeat > 1 and repeat_keys:
-            q, k = q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)
         return q, k, v.view(tokens, self.num_v_heads, self.head_v_dim)

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels import skinny_gemm
+
 
 # Rows from which a oneDNN-prepacked weight beats MKL's sgemm (measured in the smol prefill on an
 # AVX2 CPU, float32, 1 thread): ~9% faster at 512 rows, even at 300, a loss at 100 once padded.
@@ -69,9 +71,17 @@ class FusedLinear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = True):
         self.weight = weight.detach()
         self.bias = None if bias is None else bias.detach()
+        # Decode-sized rows go to the native skinny GEMM (engine/kernels) for large fp32 weights:
+        # it streams the weight once in its own layout, faster than either library at 1-32 rows.
+        self.skinny = (self.weight.dtype == torch.float32 and self.weight.device.type == "cpu"
+                       and self.weight.numel() >= PACKED_MIN_WEIGHT and self.weight.stride(1) == 1)
         self.packed = None
         if prepack and _can_prepack(self.weight):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 512)
+
+    def runs_native(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` [T, in] would take the native skinny GEMM (where it was built)."""
+        return self.skinny and skinny_gemm.applies(x, self.weight) and skinny_gemm.available()
 
     def can_pack(self, x: torch.Tensor) -> bool:
         """Whether ``x`` [T, in] takes the prepacked path."""
@@ -90,6 +100,10 @@ class FusedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> [T, out] (for padded inputs a view of the first T rows)."""
+        if self.skinny:
+            out = skinny_gemm.linear(x, self.weight, self.bias)
+            if out is not None:
+                return out
         if not self.can_pack(x):
             return F.linear(x, self.weight, self.bias)
         return self.packed_call(pad_rows(x))[:x.shape[0]]
@@ -189,7 +203,7 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        if self.packed_gate is not None and self.packed_gate.can_pack(x):
+        if self.packed_gate is not None and self.packed_gate.can_pack(x) and not self.fused_gate_up.runs_native(x):
             padded = pad_rows(x)  # [P, hidden]
             act = self.packed_gate.packed_call(padded, "swish")  # [P, intermediate]
             act = self.packed_up.packed_call(padded, "mul", act)
@@ -212,16 +226,20 @@ class PartialRotary(nn.Module):
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos [T, 1, rotary_dim] and the signed sin [T, 1, rotary_dim] for ``apply``, once per forward.
+
+        The sin's first half is negated: rotate_half(x) * sin == swap_halves(x) * signed_sin exactly
+        (a sign flip rounds nothing), so ``apply`` needs no negation and no second cat per call.
+        """
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, rotary_dim / 2]
-        angles = torch.cat([freqs, freqs], dim=-1)  # [T, rotary_dim]
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        freqs = positions.float()[:, None, None] * self.inv_freq  # [T, 1, rotary_dim / 2]
+        sin = freqs.sin()
+        return torch.cat([freqs, freqs], dim=-1).cos().to(dtype), torch.cat([-sin, sin], dim=-1).to(dtype)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [T, H, D]; cos/sin: [T, rotary_dim]."""
-        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim:]
+        """x: [T, H, D]; cos / signed sin from ``cos_sin``: [T, 1, rotary_dim]. Returns a new [T, H, D]."""
+        rot = x[..., : self.rotary_dim]
         half = self.rotary_dim // 2
-        rotated_half = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-        rot = rot * cos[:, None, :] + rotated_half * sin[:, None, :]
-        return torch.cat([rot, rest], dim=-1)
+        swapped = torch.cat([rot[..., half:], rot[..., :half]], dim=-1)  # [T, H, rotary_dim]
+        return torch.cat([rot * cos + swapped * sin, x[..., self.rotary_dim:]], dim=-1)

@@ -1,0 +1,128 @@
+// The Gated DeltaNet decode step of one layer, fused: per sequence, the causal conv over its
+// window (conv state + the new input, state shifted in place), SiLU, the l2-normalised q and k
+// heads, and the recurrence per value head on its pooled state (in place).
+//
+// Per head, with e = exp(g), the state S [Dk, Dv] becomes S' = e S + k delta^T where
+// delta = beta (v - k^T (e S)), and the output is q^T S' = q^T (e S) + (q . k) delta.
+// The tensor form makes five passes over S (scale, read, rank-1 update: read + write each);
+// here S is read from memory once and written once: Dv is taken 32 columns at a time, one
+// sweep over the rows scales them and accumulates k^T (e S) and q^T (e S), a second sweep
+// (from L1: 64 rows x 128 bytes) writes e S + k delta^T.
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#include <vector>
+
+namespace {
+
+constexpr int COLS = 32;  // Dv columns per block: 4 vectors for k^T S, 4 for q^T S
+
+inline float dot(const float* a, const float* b, int64_t n) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+    return sum;
+}
+
+void head_step(float* S, const float* q, const float* k, const float* v, float g, float beta,
+               int64_t dk, int64_t dv, float* out) {
+    const float decay = expf(g);
+    const float qk = dot(q, k, dk);
+    const __m256 e = _mm256_set1_ps(decay);
+    int64_t c = 0;
+    for (; c + COLS <= dv; c += COLS) {
+        __m256 ks[4], qs[4];
+        for (int j = 0; j < 4; ++j) ks[j] = qs[j] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < dk; ++i) {
+            float* row = S + i * dv + c;
+            const __m256 ki = _mm256_set1_ps(k[i]), qi = _mm256_set1_ps(q[i]);
+            for (int j = 0; j < 4; ++j) {
+                const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(row + 8 * j), e);
+                ks[j] = _mm256_fmadd_ps(ki, s, ks[j]);
+                qs[j] = _mm256_fmadd_ps(qi, s, qs[j]);
+            }
+        }
+        __m256 delta[4];
+        const __m256 b = _mm256_set1_ps(beta), dot_qk = _mm256_set1_ps(qk);
+        for (int j = 0; j < 4; ++j) {
+            delta[j] = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(v + c + 8 * j), ks[j]), b);
+            _mm256_storeu_ps(out + c + 8 * j, _mm256_fmadd_ps(dot_qk, delta[j], qs[j]));
+        }
+        for (int64_t i = 0; i < dk; ++i) {
+            float* row = S + i * dv + c;
+            const __m256 ki = _mm256_set1_ps(k[i]);
+            for (int j = 0; j < 4; ++j)
+                _mm256_storeu_ps(row + 8 * j, _mm256_fmadd_ps(ki, delta[j], _mm256_mul_ps(_mm256_loadu_ps(row + 8 * j), e)));
+        }
+    }
+    for (; c < dv; ++c) {  // columns left over when Dv is not a multiple of 32
+        float ks = 0.0f, qs = 0.0f;
+        for (int64_t i = 0; i < dk; ++i) {
+            const float s = S[i * dv + c] * decay;
+            ks += k[i] * s;
+            qs += q[i] * s;
+        }
+        const float delta = (v[c] - ks) * beta;
+        out[c] = qs + qk * delta;
+        for (int64_t i = 0; i < dk; ++i) S[i * dv + c] = S[i * dv + c] * decay + k[i] * delta;
+    }
+}
+
+// x * rsqrt(sum(x^2) + 1e-6) * scale, as gdn.py's _l2norm (then the query's Dk^-0.5).
+void l2norm(float* x, int64_t n, float scale) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
+    const float factor = 1.0f / sqrtf(sum + 1e-6f);
+    for (int64_t i = 0; i < n; ++i) x[i] = x[i] * factor * scale;
+}
+
+// The depthwise causal conv for one row: window = [state (K-1 values), input], out = SiLU(window . w);
+// the state then drops its oldest value and keeps the input.
+void conv_row(const float* input, float* state, const float* weight, int64_t channels, int64_t kernel, float* out) {
+    const int64_t kept = kernel - 1;
+    for (int64_t c = 0; c < channels; ++c) {
+        float* st = state + c * kept;
+        const float* w = weight + c * kernel;
+        const float x = input[c];
+        float acc = 0.0f;
+        for (int64_t j = 0; j < kept; ++j) acc += st[j] * w[j];
+        acc += x * w[kept];
+        for (int64_t j = 0; j + 1 < kept; ++j) st[j] = st[j + 1];
+        if (kept > 0) st[kept - 1] = x;
+        out[c] = acc / (1.0f + expf(-acc));
+    }
+}
+
+}  // namespace
+
+// mixed: [B, C] pre-conv q|k|v inputs (row stride ld_mixed), C = 2 Hk Dk + Hv Dv;
+// conv_states: the layer's conv pool [S, C, K-1]; conv_weight: [C, K]; rec_states: the layer's
+// recurrent pool [S, Hv, Dk, Dv]; slots: [B] each row's pool slot (distinct); g, beta: [B, Hv]
+// (row stride ldg); out: [B, Hv, Dv]. All contiguous float32 but mixed / g / beta rows. Value
+// head h reads key head h / (Hv / Hk).
+extern "C" void gdn_decode_f32(const float* mixed, int64_t ld_mixed, float* conv_states, const float* conv_weight,
+                               int64_t kernel, float* rec_states, const int64_t* slots, const float* g,
+                               const float* beta, int64_t ldg, int64_t batch, int64_t num_k_heads,
+                               int64_t num_v_heads, int64_t dk, int64_t dv, float* out) {
+    const int64_t key_dim = num_k_heads * dk, channels = 2 * key_dim + num_v_heads * dv;
+    const int64_t group = num_v_heads / num_k_heads;
+    const float q_scale = 1.0f / sqrtf((float)dk);
+    std::vector<float> conv_out(channels);  // [q | k | v] of one row
+    for (int64_t b = 0; b < batch; ++b) {
+        conv_row(mixed + b * ld_mixed, conv_states + slots[b] * channels * (kernel - 1), conv_weight, channels,
+                 kernel, conv_out.data());
+        float* q = conv_out.data();
+        float* k = q + key_dim;
+        const float* v = k + key_dim;
+        for (int64_t h = 0; h < num_k_heads; ++h) {
+            l2norm(q + h * dk, dk, q_scale);
+            l2norm(k + h * dk, dk, 1.0f);
+        }
+        float* state = rec_states + slots[b] * num_v_heads * dk * dv;
+        for (int64_t h = 0; h < num_v_heads; ++h) {
+            const int64_t kh = h / group;
+            head_step(state + h * dk * dv, q + kh * dk, k + kh * dk, v + h * dv, g[b * ldg + h], beta[b * ldg + h],
+                      dk, dv, out + (b * num_v_heads + h) * dv);
+        }
+    }
+}

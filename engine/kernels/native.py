@@ -1,0 +1,92 @@
+"""Build a kernel source of this package once (g++, cached by content hash) and open it with ctypes.
+
+A ctypes library, not a torch extension: it compiles in about a second against no torch
+headers, and a call costs a few microseconds. Every failure is reported once, as one log
+line, and returns None so that the caller falls back to its torch path.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger("chunkscope.kernels")
+
+SOURCE_DIR = Path(__file__).resolve().parent
+FLAGS = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-std=c++17"]
+REQUIRED_CPU_FLAGS = ("avx2", "fma")
+
+
+# Off with CHUNKSCOPE_NATIVE_KERNELS=0 (then every caller runs its torch path); tests and
+# bench/forward.py --no-native flip the attribute.
+ENABLED = os.environ.get("CHUNKSCOPE_NATIVE_KERNELS", "1") != "0"
+
+
+def enabled() -> bool:
+    return ENABLED
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as handle:
+            line = next((line for line in handle if line.startswith("flags")), "")
+    except OSError:
+        return set()
+    return set(line.split(":", 1)[-1].split())
+
+
+def _build_dir() -> Path:
+    root = os.environ.get("CHUNKSCOPE_CACHE") or Path.home() / ".cache" / "chunkscope"
+    return Path(root).expanduser() / "kernels"
+
+
+def why_unavailable(cpu_flags: set[str], compiler: str | None) -> str | None:
+    """The reason no native kernel can run here, or None (a pure check, tested without a compiler)."""
+    if not enabled():
+        return "CHUNKSCOPE_NATIVE_KERNELS=0"
+    missing = [flag for flag in REQUIRED_CPU_FLAGS if flag not in cpu_flags]
+    if missing:
+        return f"the CPU lacks {' and '.join(missing)}"
+    if compiler is None:
+        return "no C++ compiler (g++ / c++) on PATH"
+    return None
+
+
+@functools.cache
+def load(name: str) -> ctypes.CDLL | None:
+    """The compiled ``<name>.cpp`` of this package, or None (logged once) where it cannot be built."""
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    reason = why_unavailable(_cpu_flags(), compiler)
+    if reason is None:
+        try:
+            return ctypes.CDLL(str(_compiled(name, compiler)))
+        except (OSError, subprocess.SubprocessError) as error:
+            reason = f"build failed: {str(error).strip()[:300]}"
+    log.warning("native kernel %s unavailable (%s): using the torch path", name, reason)
+    return None
+
+
+def _compiled(name: str, compiler: str) -> Path:
+    """The shared library for ``name``, compiled unless the cache already holds this exact source."""
+    source = SOURCE_DIR / f"{name}.cpp"
+    digest = hashlib.sha256(source.read_bytes() + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
+    target = _build_dir() / f"{name}-{digest}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: a concurrent process never opens a half-written file.
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        built = Path(scratch) / target.name
+        result = subprocess.run([compiler, *FLAGS, "-o", str(built), str(source)], capture_output=True,
+                                text=True, timeout=120)
+        if result.returncode != 0:
+            raise subprocess.SubprocessError(result.stderr or f"{compiler} exited {result.returncode}")
+        os.replace(built, target)
+    log.info("native kernel %s built: %s", name, target)
+    return target

@@ -1,0 +1,164 @@
+"""The native decode kernels (engine/kernels) against the torch paths they replace, and their fallback."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.kernels import gdn_step, native, skinny_gemm
+from engine.model import layers
+from engine.model.gdn import GatedDeltaNet
+from engine.model.loader import load_model
+from engine.model.tiny import TINY_CONFIG
+from tests.engine.test_decode_fastpaths import _run
+
+needs_kernels = pytest.mark.skipif(
+    native.why_unavailable(native._cpu_flags(), "g++") is not None or not skinny_gemm.available()
+    or not gdn_step.available(), reason="no AVX2/FMA CPU or no C++ compiler here")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 16, 21, 32])
+@pytest.mark.parametrize("out_cols, inner", [(3072, 576), (7, 13), (250, 1536)])
+def test_skinny_gemm_equals_library_gemm(rows, out_cols, inner):
+    gen = torch.Generator().manual_seed(rows * 1000 + out_cols)
+    weight = torch.randn(out_cols, inner, generator=gen)
+    bias = torch.randn(out_cols, generator=gen)
+    x = torch.randn(rows, inner + 5, generator=gen)[:, 2:2 + inner]  # a row stride wider than the rows
+    got = skinny_gemm.linear(x, weight, bias)
+    assert got is not None and got.shape == (rows, out_cols)
+    # Summation order differs from MKL's: equal to float32 rounding of a length-K dot product.
+    assert torch.allclose(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5 * inner ** 0.5)
+    assert torch.allclose(skinny_gemm.linear(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-5 * inner ** 0.5)
+
+
+def test_skinny_gemm_declines_what_it_does_not_cover():
+    weight = torch.randn(32, 16)
+    assert skinny_gemm.linear(torch.randn(skinny_gemm.MAX_ROWS + 1, 16), weight) is None
+    assert skinny_gemm.linear(torch.randn(4, 16, dtype=torch.bfloat16), weight.bfloat16()) is None
+    assert skinny_gemm.linear(torch.randn(16, 4).t(), weight) is None  # inner stride != 1
+    torch.set_num_threads(2)
+    assert skinny_gemm.linear(torch.randn(4, 16), weight) is None  # the libraries split across threads
+    torch.set_num_threads(1)
+    with pytest.raises(ValueError, match="do not fit"):
+        skinny_gemm.linear(torch.randn(4, 16), weight, torch.randn(3))
+
+
+@needs_kernels
+def test_fused_linear_routes_decode_rows_to_the_kernel(monkeypatch):
+    monkeypatch.setattr(layers, "PACKED_MIN_WEIGHT", 0)
+    linear = layers.FusedLinear(torch.randn(96, 40))
+    assert linear.skinny and linear.runs_native(torch.randn(8, 40))
+    assert not linear.runs_native(torch.randn(skinny_gemm.MAX_ROWS + 1, 40))
+    monkeypatch.setattr(native, "ENABLED", False)
+    assert not linear.runs_native(torch.randn(8, 40))
+    assert not layers.FusedLinear(torch.randn(96, 40).double()).skinny
+
+
+def _layer_and_pools(num_slots: int, seed: int):
+    torch.manual_seed(seed)
+    layer = GatedDeltaNet(TINY_CONFIG, 0)
+    with torch.no_grad():
+        layer.conv1d.weight.normal_(0, 0.5)
+    conv = torch.randn(num_slots, layer.conv_dim, layer.conv_kernel - 1)
+    rec = torch.randn(num_slots, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim) * 0.3
+    return layer, conv, rec
+
+
+@needs_kernels
+@pytest.mark.parametrize("slots, slot_range", [([4, 0, 2], None), ([1, 2, 3, 4], (1, 5)), ([3], (3, 4))])
+def test_gdn_kernel_equals_tensor_decode_step(slots, slot_range):
+    """Outputs and both states (conv, recurrent) of the touched slots match; the other slots stay bit-equal."""
+    layer, conv, rec = _layer_and_pools(6, seed=len(slots))
+    batch = len(slots)
+    rows = torch.randn(batch, layer.conv_dim + 7)[:, :layer.conv_dim]  # a strided view, as the projection's split
+    g, beta = -torch.rand(batch, layer.num_v_heads) * 2, torch.rand(batch, layer.num_v_heads)
+    index = torch.tensor(slots)
+    weight = layer.conv1d.weight[:, 0, :]
+    conv_native, rec_native = conv.clone(), rec.clone()
+    out = gdn_step.decode(rows, conv_native, weight, rec_native, index, g, beta, layer.num_k_heads,
+                          layer.head_k_dim, layer.head_v_dim)
+    expected = layer._decode_rows(rows, g, beta, conv, rec, index, slot_range)
+    assert out is not None and out.shape == expected.shape
+    assert torch.allclose(out, expected, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(rec_native, rec, rtol=1e-5, atol=1e-5)
+    assert torch.equal(conv_native, conv)  # the conv state is only shifted: exact
+    untouched = [s for s in range(6) if s not in slots]
+    assert torch.equal(rec_native[untouched], rec[untouched])
+
+
+def test_gdn_kernel_declines_other_dtypes():
+    layer, conv, rec = _layer_and_pools(2, seed=0)
+    rows = torch.randn(1, layer.conv_dim, dtype=torch.bfloat16)
+    g = beta = torch.zeros(1, layer.num_v_heads)
+    assert gdn_step.decode(rows, conv, layer.conv1d.weight[:, 0, :], rec, torch.tensor([0]), g, beta,
+                           layer.num_k_heads, layer.head_k_dim, layer.head_v_dim) is None
+
+
+@needs_kernels
+def test_greedy_decode_with_native_kernels_equals_torch_paths(monkeypatch):
+    """fp32, tiny model with every weight large enough for the skinny GEMM: same tokens, close logits."""
+    monkeypatch.setattr(layers, "PACKED_MIN_WEIGHT", 0)
+    model = load_model("tiny")[0]
+    assert model.fused_lm_head.skinny
+    monkeypatch.setattr(native, "ENABLED", True)
+    native_tokens, native_logits = _run(model, torch.float32, 20)
+    monkeypatch.setattr(native, "ENABLED", False)
+    torch_tokens, torch_logits = _run(model, torch.float32, 20)
+    assert native_tokens == torch_tokens
+    for a, b in zip(native_logits, torch_logits):
+        assert torch.allclose(a, b, atol=1e-4)
+
+
+def test_unavailable_reasons():
+    assert native.why_unavailable({"avx2", "fma"}, "/usr/bin/g++") is None
+    assert "avx2" in native.why_unavailable({"fma"}, "/usr/bin/g++")
+    assert "compiler" in native.why_unavailable({"avx2", "fma"}, None)
+
+
+def test_a_failed_build_logs_once_and_falls_back(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CXX", "/bin/false")
+    monkeypatch.setenv("CHUNKSCOPE_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "_cpu_flags", lambda: {"avx2", "fma"})
+    native.load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="chunkscope.kernels"):
+            assert native.load("skinny_gemm") is None
+            assert native.load("skinny_gemm") is None
+        assert [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()] == [
+            "native kernel skinny_gemm unavailable (build failed: /bin/false exited 1): using the torch path"]
+        assert not list(tmp_path.glob("kernels/*.so"))
+    finally:
+        native.load.cache_clear()
+
+
+@needs_kernels
+def test_compiled_graphs_trace_the_torch_paths(monkeypatch):
+    """Under torch.compile the kernels step aside without a graph break (fullgraph), and results still match."""
+    monkeypatch.setattr(layers, "PACKED_MIN_WEIGHT", 0)
+    linear = layers.FusedLinear(torch.randn(96, 40))
+    x = torch.randn(8, 40)
+    assert linear.runs_native(x)
+    compiled = torch.compile(lambda t: linear(t), backend="eager", fullgraph=True)
+    assert torch.allclose(compiled(x), F.linear(x, linear.weight), atol=1e-5)
+
+    layer, conv, rec = _layer_and_pools(2, seed=0)
+    rows = torch.randn(1, layer.conv_dim)
+    g = beta = torch.zeros(1, layer.num_v_heads)
+
+    def step(rows):
+        out = gdn_step.decode(rows, conv, layer.conv1d.weight[:, 0, :], rec, torch.tensor([0]), g, beta,
+                              layer.num_k_heads, layer.head_k_dim, layer.head_v_dim)
+        return rows if out is None else out
+
+    assert torch.equal(torch.compile(step, backend="eager", fullgraph=True)(rows), rows)
