@@ -16,7 +16,11 @@ Load then hits both sides alike and the ratios stay meaningful even when wall ti
 
     python bench/forward.py [--models tiny,smol] [--rounds 3] [--steps 4] [--threads 1]
                             [--dtype auto|float32|bfloat16] [--no-hf] [--clock wall|cpu] [--no-prepack]
-                            [--no-decode-prepack] [--json]
+                            [--no-decode-prepack] [--compile off|on] [--json]
+
+``--compile on`` runs our decode rows through the engine's compiled decode step (inductor on CPU,
+``engine/model/compiled_decode.py``), compiled before the first round (the time is printed and goes
+in the JSON as ``compile_s``; inductor's cache under the chunkscope cache dir makes a rerun fast).
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ import time
 
 import torch
 
+from engine.model.compiled_decode import CompileSettings, bucket_for, resolve_compile, use_persistent_cache
 from engine.model.config import ModelConfig
 from engine.model.cpu_features import cpu_flags, cpu_model, isa_summary, resolve_dtype
 from engine.model.layers import FusedLinear
@@ -37,7 +42,7 @@ from engine.model.loader import load_model
 from engine.model.qwen3_5 import Qwen35ForCausalLM
 from engine.model.roofline import ForwardCost, MachineRates, forward_cost, measure_rates
 from engine.model.runner import ModelRunner
-from engine.model.tiny import random_init
+from engine.model.tiny import cache_root, random_init
 from engine.sequence import SequenceState
 
 SMOL = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -71,12 +76,12 @@ def seconds(fn) -> float:
 class Ours:
     """Our runner: a prefill on a fresh runner, and decode over sequences prefilled once."""
 
-    def __init__(self, model: Qwen35ForCausalLM, max_steps: int):
+    def __init__(self, model: Qwen35ForCausalLM, max_steps: int, compile: CompileSettings | None = None):
         self.model = model
         self.dtype = next(model.parameters()).dtype
         blocks_per_seq = -(-(DECODE_CONTEXT + max_steps) // 16) + 1
         self.runner = ModelRunner(model, num_kv_blocks=max(BATCHES) * blocks_per_seq, num_ssm_slots=max(BATCHES),
-                                  dtype=self.dtype)
+                                  dtype=self.dtype, compile=compile)
         self.seqs = []
         for i in range(max(BATCHES)):
             seq = SequenceState(i)
@@ -92,6 +97,14 @@ class Ours:
 
     def decode_step(self, batch: int) -> float:
         return seconds(lambda: self.runner.decode(self.seqs[:batch], [1] * batch))
+
+    def compile_decode(self) -> float:
+        """Compile the decode step for every batch size the rounds use (padding rows only); seconds."""
+        step = self.runner.compiled_decode
+        started = time.perf_counter()
+        for batch in BATCHES:
+            step([], bucket=bucket_for(batch, step.settings.buckets))
+        return time.perf_counter() - started
 
 
 class Theirs:
@@ -150,12 +163,17 @@ def gemm_floor_seconds(linears: list[FusedLinear], batch: int, dtype: torch.dtyp
     return seconds(lambda: [linear(x) for linear, x in zip(linears, inputs)])
 
 
-def bench_model(name: str, dtype: torch.dtype, rounds: int, steps: int, with_hf: bool) -> list[dict]:
+def bench_model(name: str, dtype: torch.dtype, rounds: int, steps: int, with_hf: bool,
+                compile: CompileSettings | None = None) -> list[dict]:
     """Interleaved rounds of ours / transformers / the machine rates; one result row per forward kind."""
     model = build(name, dtype)
     weight_bytes = torch.finfo(dtype).bits // 8
     prompt = [(i * 37) % model.config.vocab_size for i in range(PROMPT_LEN)]
-    ours, theirs = Ours(model, (rounds + 1) * steps), (Theirs(model) if with_hf else None)
+    ours, theirs = Ours(model, (rounds + 1) * steps, compile), (Theirs(model) if with_hf else None)
+    compile_s = None
+    if ours.runner.compiled_decode is not None:
+        compile_s = ours.compile_decode()
+        print(f"[{name}] compiled the decode step ({compile.backend}) for batches {BATCHES} in {compile_s:.1f} s wall")
     # Warm-up: first calls allocate and pick kernels.
     ours.decode_step(1)
     if theirs:
@@ -193,6 +211,7 @@ def bench_model(name: str, dtype: torch.dtype, rounds: int, steps: int, with_hf:
         roofline_s = rate.seconds(cost)
         bound = "compute" if cost.flops / rate.flops_per_s >= cost.bytes / rate.bytes_per_s else "memory"
         rows.append({"model": name, "row": row, "batch": batch, "ours_ms": ours_s * 1e3,
+                     "compiled": compile_s is not None and row == "decode", "compile_s": compile_s,
                      "theirs_ms": None if theirs_s is None else theirs_s * 1e3,
                      "ratio": None if theirs_s is None else theirs_s / ours_s,
                      "roofline_ms": roofline_s * 1e3, "roofline_share": roofline_s / ours_s,
@@ -233,6 +252,8 @@ def main() -> None:
                              "CHUNKSCOPE_ONEDNN_PREPACK=0 does the same)")
     parser.add_argument("--no-decode-prepack", action="store_true",
                         help="decode rows through MKL's sgemm, prefill still prepacked (CHUNKSCOPE_DECODE_PREPACK=0)")
+    parser.add_argument("--compile", default="off", choices=["off", "on"],
+                        help="on: our decode rows through the compiled decode step (inductor on CPU)")
     args = parser.parse_args()
     from engine.model import layers
     if args.no_prepack:
@@ -256,11 +277,14 @@ def main() -> None:
     for name in names:
         if name not in ("tiny", "smol"):
             parser.error(f"--models: unknown model {name!r} (tiny, smol)")
+    compile = resolve_compile(args.compile, "cpu")
+    if compile is not None:
+        use_persistent_cache(cache_root() / "inductor")
     rows = [row for name in names
-            for row in bench_model(name, getattr(torch, dtype), args.rounds, args.steps, not args.no_hf)]
+            for row in bench_model(name, getattr(torch, dtype), args.rounds, args.steps, not args.no_hf, compile)]
     if args.json:
         builtins.print(json.dumps({"cpu": cpu_model(), "isa": isa_summary(flags), "threads": torch.get_num_threads(),
-                                   "dtype": dtype, "clock": args.clock, "rows": rows}, indent=1))
+                                   "dtype": dtype, "clock": args.clock, "compile": args.compile, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

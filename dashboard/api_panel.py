@@ -5,6 +5,7 @@ import streamlit as st
 
 from dashboard import data
 from dashboard.context import RunContext
+from dashboard.metric_row import Metric, metric_row
 
 RULE_LABELS = {"min_tokens": "min_tokens (EOS banned)", "thinking": "thinking (think-end banned)",
                "force_tool_call": "forced tool-call start"}
@@ -16,11 +17,8 @@ def render(ctx: RunContext, end_ns: int, window_s: float) -> None:
     st.subheader("Traffic and first-token rules")
     st.caption(f"Over the newest {activity['num_requests']} requests"
                + (f"; the API serves {api_url}/v1" if api_url else "; this run serves no API"))
-    cols = st.columns(2 + max(1, len(activity["rules"])))
-    cols[0].metric(f"API requests/s (last {window_s} s)", f"{activity['api_rate']:.2f}")
     by_source = activity["by_source"]
-    cols[1].metric("requests api / workload", f"{by_source.get('api', 0)} / {by_source.get('workload', 0)}")
-    if not activity["rules"]:
-        cols[2].metric("first-token rules fired", 0)
-    for col, (rule, count) in zip(cols[2:], activity["rules"].items()):
-        col.metric(RULE_LABELS.get(rule, rule), count)
+    metric_row([Metric(f"API requests/s (last {window_s} s)", f"{activity['api_rate']:.2f}"),
+                Metric("requests api / workload", f"{by_source.get('api', 0)} / {by_source.get('workload', 0)}")]
+               + ([Metric(RULE_LABELS.get(rule, rule), count) for rule, count in activity["rules"].items()]
+                  or [Metric("first-token rules fired", 0)]))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import context, data, status_banner
+from dashboard import context, data, request_links, status_banner
 from dashboard.db import DataUnavailable
 
 st.set_page_config(page_title="Chunkscope", page_icon=":material/biotech:", layout="wide")
@@ -24,6 +24,7 @@ PAGES = [
 
 
 STATUS_REFRESH_S = 2.0
+LINKED_RUN_KEY = "linked_run"     # the run a link already picked
 
 
 def run_picker() -> None:
@@ -39,11 +40,21 @@ def run_picker() -> None:
     # changed under it (running -> finished) would no longer name an option.
     labels = {context.LATEST: "latest run"}
     labels.update({int(r.run_id): f"run {int(r.run_id)} · {r.model}" for r in runs.itertuples()})
+    follow_run_link(labels)
     if st.session_state.get(context.RUN_KEY, context.LATEST) not in labels:
         st.session_state[context.RUN_KEY] = context.LATEST
     st.sidebar.selectbox("run", list(labels), format_func=labels.get, key=context.RUN_KEY)
     with st.sidebar:
         chosen_run_status(str(paths.db))
+
+
+def follow_run_link(labels: dict) -> None:
+    """``?run=3`` (a link from a chunk decision to its request) picks that run, once per link."""
+    run_id = request_links.linked_value(st.query_params, request_links.RUN_PARAM)
+    if run_id is None or run_id not in labels or st.session_state.get(LINKED_RUN_KEY) == run_id:
+        return
+    st.session_state[LINKED_RUN_KEY] = run_id
+    st.session_state[context.RUN_KEY] = run_id
 
 
 @st.fragment(run_every=STATUS_REFRESH_S)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from dashboard import (lever_state, queries_api, queries_chunks, queries_grammar, queries_live, queries_prefix,
+from dashboard import (charts, lever_state, queries_api, queries_chunks, queries_grammar, queries_live, queries_prefix,
                        queries_requests, queries_runs, queries_spec)
 from dashboard.db import DataUnavailable, query_one
 from dashboard.queries_chunks import ChunkFilter
@@ -51,6 +51,21 @@ def live_counters(db: str, run_id: int, version: Version, window_s: float) -> di
 @st.cache_data(max_entries=_ENTRIES, show_spinner=False)
 def timeline_window(db: str, run_id: int, version: Version, window_s: float):
     return queries_live.timeline_window(Path(db), run_id, window_s)
+
+
+@st.cache_data(max_entries=_ENTRIES, show_spinner=False)
+def timeline_spec(db: str, run_id: int, version: Version, window_s: float) -> str:
+    """The Live timeline's figure as Plotly JSON, cached like the rows it is drawn from.
+
+    Building and serializing it is most of a Live refresh's CPU (about 0.5 s on a loaded
+    2-core box); while nothing new arrives (a blocked or idle engine, a finished run) the
+    version holds and a refresh costs a lookup, which leaves the page free to name a stall.
+    """
+    win = timeline_window(db, run_id, version, window_s)
+    cap = queries_live.MAX_STREAM_EVENTS if win.stream_events_capped else None
+    return charts.timeline_figure(win.forwards, win.stream_events, win.links, win.preemptions, win.lever_changes,
+                                  (win.start_ms, win.end_ms), stream_events_cap=cap,
+                                  kv_quant_changes=win.kv_quant_changes, rank_forwards=win.rank_forwards).to_json()
 
 
 @st.cache_data(max_entries=_ENTRIES, show_spinner=False)

@@ -6,6 +6,7 @@ import streamlit as st
 
 from dashboard import data
 from dashboard.context import RunContext
+from dashboard.metric_row import Metric, metric_row
 from dashboard.queries_grammar import RECENT_TICKS
 
 
@@ -18,15 +19,16 @@ def render(ctx: RunContext) -> None:
     if not s["num"]:
         st.caption("No request in this run carries a grammar (serve --grammar-share F draws some).")
         return
-    cols = st.columns(5)
-    cols[0].metric("grammar requests", s["num"])
-    cols[1].metric("output validated", f"{s['num_valid']} / {s['num']}",
-                   help=f"{s['num_invalid']} ended incomplete (finish_reason length); the rest are in flight")
     share = s["mask_share"]
-    cols[2].metric("mask share of tick time", "–" if share is None else f"{share:.1%}",
-                   help=f"grammar mask fill + apply over the newest {RECENT_TICKS:,} ticks")
-    cols[3].metric("constrained rows / masked tick",
-                   f"{s['num_rows'] / s['num_masked_ticks']:.1f}" if s["num_masked_ticks"] else "–")
-    cols[4].metric("preemptions that skipped holders", f"{s['num_with_skips']} / {s['num_preemptions']}",
-                   help=f"{s['num_skipped']} grammar holders passed over in all (they are never victims)")
+    metric_row([
+        Metric("grammar requests", s["num"]),
+        Metric("output validated", f"{s['num_valid']} / {s['num']}",
+               help=f"{s['num_invalid']} ended incomplete (finish_reason length); the rest are in flight"),
+        Metric("mask share of tick time", "–" if share is None else f"{share:.1%}",
+               help=f"grammar mask fill + apply over the newest {RECENT_TICKS:,} ticks"),
+        Metric("constrained rows / masked tick",
+               f"{s['num_rows'] / s['num_masked_ticks']:.1f}" if s["num_masked_ticks"] else "–"),
+        Metric("preemptions that skipped holders", f"{s['num_with_skips']} / {s['num_preemptions']}",
+               help=f"{s['num_skipped']} grammar holders passed over in all (they are never victims)"),
+    ])
     st.dataframe(s["by_kind"], hide_index=True, key="grammar_by_kind")

@@ -30,12 +30,13 @@ _frame = components.declare_component("live_timeline", path=str(FRONTEND_DIR))
 _plotly_js = components.declare_component("plotly_js", path=str(PLOTLY_JS_DIR))
 
 
-def render(fig: go.Figure, *, key: str, revision: int) -> None:
-    """Send ``fig`` to the mounted timeline frame; ``revision`` tags the drawn figure (``data-revision``).
+def render(fig: go.Figure | str, *, key: str, revision: int) -> dict | None:
+    """Send ``fig`` (a figure or its Plotly JSON) to the mounted timeline frame; ``revision`` tags the drawn figure (``data-revision``).
 
-    ``key`` must stay the same across reruns: it is the frame's whole identity.
+    ``key`` must stay the same across reruns: it is the frame's whole identity. Returns the last
+    click on a forward (``{"request_id", "tick", "clicked_at"}``), or None before any click.
     """
     if not (PLOTLY_JS_DIR / "plotly.min.js").is_file():
         raise FileNotFoundError(f"plotly.min.js is missing from the plotly package at {PLOTLY_JS_DIR}")
-    _frame(spec=fig.to_json(), plotly_component=_plotly_js.name, revision=int(revision),
+    return _frame(spec=fig if isinstance(fig, str) else fig.to_json(), plotly_component=_plotly_js.name, revision=int(revision),
            key=key, default=None)

@@ -10,6 +10,7 @@ import streamlit as st
 
 from dashboard import charts, data
 from dashboard.context import RunContext
+from dashboard.metric_row import Metric, metric_row
 
 EVENT_LABELS = {"prefix_hit": "prefix hits", "prefix_ssm_cut": "hits cut by SSM", "snapshot_taken":
                 "snapshots taken", "snapshot_restored": "snapshots restored", "snapshot_evicted": "snapshots evicted"}
@@ -20,14 +21,12 @@ def render(ctx: RunContext) -> None:
     st.subheader("Prefix cache")
     if scope.num_requests is not None:
         st.caption(f"Over the {scope.label} (the Runs page has the whole run's hit ratio).")
-    cols = st.columns(1 + len(EVENT_LABELS))
     ratio = totals.get("hit_ratio")
-    cols[0].metric(f"hit ratio ({scope.label})", "–" if ratio is None else f"{ratio:.1%}",
-                   help=f"{totals.get('hit_tokens', 0):,} of {totals.get('prompt_tokens', 0):,} prompt tokens "
-                        f"came from the cache; {totals.get('num_hits', 0)} of {totals.get('num_requests', 0)} "
-                        "admitted requests hit")
-    for col, (kind, label) in zip(cols[1:], EVENT_LABELS.items()):
-        col.metric(label, counts[kind])
+    metric_row([Metric(f"hit ratio ({scope.label})", "–" if ratio is None else f"{ratio:.1%}",
+                       help=f"{totals.get('hit_tokens', 0):,} of {totals.get('prompt_tokens', 0):,} prompt tokens "
+                            f"came from the cache; {totals.get('num_hits', 0)} of {totals.get('num_requests', 0)} "
+                            "admitted requests hit")]
+               + [Metric(label, counts[kind]) for kind, label in EVENT_LABELS.items()])
     if buckets.empty:
         st.caption("No admitted request yet.")
         return

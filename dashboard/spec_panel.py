@@ -10,6 +10,7 @@ import streamlit as st
 
 from dashboard import data, spec_charts
 from dashboard.context import RunContext
+from dashboard.metric_row import Metric, metric_row
 
 
 def render(ctx: RunContext, window_s: float) -> None:
@@ -21,11 +22,10 @@ def render(ctx: RunContext, window_s: float) -> None:
         st.caption("No speculative step in this run (lever speculation off, or no lone decoding sequence).")
         return
     totals, buckets, steps, drops, window_ms = view
-    cols = st.columns(max(len(totals), 1) * 2)
-    for i, row in enumerate(totals.itertuples()):
-        cols[2 * i].metric(f"{row.spec_kind} acceptance", f"{row.acceptance:.0%}",
-                           help=f"{row.num_accepted:,} of {row.num_drafted:,} drafts over {row.num_steps:,} steps")
-        cols[2 * i + 1].metric(f"{row.spec_kind} tokens / step", f"{row.tokens_per_step:.2f}")
+    metric_row([m for row in totals.itertuples() for m in (
+        Metric(f"{row.spec_kind} acceptance", f"{row.acceptance:.0%}",
+               help=f"{row.num_accepted:,} of {row.num_drafted:,} drafts over {row.num_steps:,} steps"),
+        Metric(f"{row.spec_kind} tokens / step", f"{row.tokens_per_step:.2f}"))])
     left, right = st.columns([2, 3])
     left.plotly_chart(spec_charts.acceptance_figure(buckets), key="spec_acceptance", width="stretch")
     right.plotly_chart(spec_charts.drafts_timeline_figure(steps, drops, window_ms), key="spec_drafts",

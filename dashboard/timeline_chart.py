@@ -70,7 +70,7 @@ def _chunk_text(rows: pd.DataFrame) -> list[str]:
         return [""] * len(rows)
     caps = rows["cap_rule"].fillna("–").astype(str)
     blockers = rows["mix_blocker"].fillna("none").astype(str)
-    return [f"cap rule {c} · mix blocker {b} (Requests page: search the request id)"
+    return [f"cap rule {c} · mix blocker {b}<br>click: open this request on the Requests page"
             for c, b in zip(caps, blockers)]
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import platform
 import sqlite3
 import sys
@@ -15,14 +16,18 @@ from typing import Any
 import torch
 
 from engine.kv_cache_args import budget_bytes, kv_quant_config
+from engine.model.compiled_decode import resolve_compile, use_persistent_cache
 from engine.model.cpu_features import cpu_flags, isa_summary, resolve_dtype
 from engine.model.embedded import EMBEDDED_MODELS, checkpoint_dir_of  # noqa: F401  (callers import it here)
 from engine.model.fault import ForwardFault
 from engine.model.loader import load_model
+from engine.model import tiny
 from engine.model.runner import ModelRunner
 from engine.scheduler.loop import Scheduler
 from telemetry.events import RunStarted
 from telemetry.levers import LeverValues
+
+log = logging.getLogger("chunkscope.compile")
 
 BLOCK_SIZE = 16
 VERSIONED_PACKAGES = ("torch", "streamlit", "plotly", "watchdog", "sqlite-utils", "safetensors", "tokenizers")
@@ -51,11 +56,13 @@ def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: Lev
                  seed: int = 0, device: str | None = None, dtype: torch.dtype | str = torch.float32,
                  emit=None, prefix_cache: bool = True, threads: int | None = None,
                  fault: ForwardFault | None = None, kv_cache: dict[str, Any] | None = None,
-                 ep_size: int = 1) -> EngineSetup:
+                 ep_size: int = 1, compile: str = "off", compile_warmup: bool = True) -> EngineSetup:
     """``fault``: the test-only forward fault hook (``engine/model/fault.py``), recorded in the config.
     ``kv_cache``: ``kv_cache_options`` (format, byte budget, InnerQ windows), recorded in the config.
     ``dtype``: a torch dtype, or a ``--dtype`` choice ('auto' picks by the CPU's flags, cpu_features.py).
     ``ep_size`` > 1: load rank 0's share of a MoE model's experts (``engine/distributed`` starts the ranks).
+    ``compile``: --compile auto / on / off (``compiled_decode.resolve_compile``); with ``compile_warmup``
+    every batch bucket up to ``ssm_slots`` rows compiles here, before the run starts, else on first use.
     """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype_choice = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
@@ -70,9 +77,13 @@ def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: Lev
     directory = checkpoint_dir_of(model_name)
     model, config, tokenizer = load_model(directory, dtype=dtype, device=device, ep_size=ep_size)
     kv_cache = dict(kv_cache or {"kv_cache_dtype": "auto"})
+    compile_settings = resolve_compile(compile, device) if ep_size == 1 else None
+    if compile_settings is not None:
+        use_persistent_cache(tiny.cache_root() / "inductor")
     runner = ModelRunner(model, num_kv_blocks=kv_blocks, num_ssm_slots=ssm_slots,
                          block_size=BLOCK_SIZE, device=device, dtype=dtype, fault=fault,
-                         kv_quant=kv_quant_config(kv_cache), kv_budget_bytes=budget_bytes(kv_cache))
+                         kv_quant=kv_quant_config(kv_cache), kv_budget_bytes=budget_bytes(kv_cache),
+                         compile=compile_settings)
     scheduler = Scheduler(runner, levers, emit=emit, run_seed=seed, prefix_cache=prefix_cache)
     if tokenizer is not None:
         scheduler.detokenize = tokenizer.decode
@@ -87,9 +98,29 @@ def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: Lev
                      # Paged K/V layers (full attention + the MTP module's) and their bytes.
                      "kv_layers": len(model.kv_layer_ids), "kv_bytes": runner.kv_store.num_bytes,
                      "mtp_layers": len(model.mtp.layers) if model.has_mtp_head else 0}
+    engine_config["compile"] = _compile_description(runner, compile, compile_settings, ssm_slots, compile_warmup)
     if fault is not None:
         engine_config["fault_forward"] = fault.describe()
     return EngineSetup(model_name, directory, model, config, tokenizer, runner, scheduler, engine_config)
+
+
+def _compile_description(runner: ModelRunner, choice: str, settings, max_rows: int, warm_up: bool) -> dict:
+    """The run row's record of the compiled decode step; compiles the buckets first when ``warm_up``."""
+    compiled = runner.compiled_decode
+    described: dict[str, Any] = {"choice": choice, "active": compiled is not None}
+    if settings is not None:
+        described.update(settings.describe())
+    if settings is not None and compiled is None:
+        described["eager_because"] = ("an InnerQ KV cache calibrates in Python" if runner.innerq is not None
+                                      else "this model's decode is not compiled (expert routing)")
+    if compiled is not None and warm_up:
+        seconds = compiled.warm_up(max_rows)
+        compiled.take_events()  # recorded here, on the run row, not as tick events
+        log.info("compiled the decode step for batch buckets %s in %.1f s (%s backend, %d graphs)",
+                 sorted(compiled.buckets_run), seconds, settings.backend, compiled.num_graphs)
+        described.update(compile_s=round(seconds, 3), warmed_buckets=sorted(compiled.buckets_run),
+                         num_graphs=compiled.num_graphs)
+    return described
 
 
 def checkpoint_hash(directory: Path) -> str:

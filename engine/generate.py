@@ -8,12 +8,15 @@ from pathlib import Path
 
 import torch
 
+from engine.compile_args import add_compile_args
 from engine.kv_cache_args import add_kv_cache_args, budget_bytes, kv_cache_options, kv_quant_config
 from engine.grammar import masks
 from engine.grammar.compiler import GrammarCompiler
 from engine.grammar.spec import GrammarSpec
 from engine.distributed import launch
+from engine.model.compiled_decode import CompileSettings, resolve_compile, use_persistent_cache
 from engine.model.loader import load_model
+from engine.model.tiny import cache_root
 from engine.model.runner import ModelRunner
 from engine.scheduler.loop import Scheduler
 from engine.scheduler.mixing import SPECULATION_KINDS
@@ -60,13 +63,15 @@ def check_request(model, prompt: list[int], params: SamplingParams) -> int:
 
 def generate(model, tokenizer, prompt: list[int], params: SamplingParams, stop_at_eos: bool = True,
              grammar: dict | None = None, kv_cache: dict | None = None,
-             runner: ModelRunner | None = None) -> dict:
+             runner: ModelRunner | None = None, compile: CompileSettings | None = None) -> dict:
     """Greedy or sampled continuation of ``prompt``; returns {"tokens": [...], "text": str | None}, plus
     "kv_cache_dtype" and "kv_quant_state" with InnerQ. ``kv_cache``: ``kv_cache_options`` (default auto).
 
     ``grammar`` (``engine/grammar/spec.py``) constrains the output: every step's logits are
     masked, and generation stops when the grammar is complete ("finish_reason": "stop").
     ``runner``: one sized by ``runner_sizes`` (expert parallelism builds it before the ranks start).
+    ``compile``: decode steps through the compiled step (compiled on first use; "compile" in the result
+    gives the backend, seconds and graphs).
     """
     kv_cache = kv_cache or {"kv_cache_dtype": "auto"}
     check_request(model, prompt, params)
@@ -75,7 +80,7 @@ def generate(model, tokenizer, prompt: list[int], params: SamplingParams, stop_a
         weight = next(model.parameters())   # the caches hold what the weights compute in (bfloat16 too)
         runner = ModelRunner(model, num_kv_blocks=kv_blocks, num_ssm_slots=ssm_slots, device=weight.device,
                              dtype=weight.dtype, kv_quant=kv_quant_config(kv_cache),
-                             kv_budget_bytes=budget_bytes(kv_cache))
+                             kv_budget_bytes=budget_bytes(kv_cache), compile=compile)
     seq = SequenceState(request_id=0)
     runner.admit(seq)
     eos_ids = {model.eos_token_id} if model.eos_token_id is not None else set()
@@ -108,6 +113,10 @@ def generate(model, tokenizer, prompt: list[int], params: SamplingParams, stop_a
         result["grammar_complete"] = state.is_accepting
     if runner.innerq is not None:
         result.update(kv_cache_dtype=kv_cache["kv_cache_dtype"], kv_quant_state=runner.kv_quant_state)
+    if runner.compiled_decode is not None:
+        compiled = runner.compiled_decode
+        result["compile"] = {"backend": compiled.settings.backend, "compile_s": round(compiled.compile_seconds, 3),
+                             "num_graphs": compiled.num_graphs, "num_recompiles": compiled.num_recompiles}
     return result
 
 
@@ -201,6 +210,7 @@ def add_parser(subparsers) -> None:
     add_kv_cache_args(parser)
     parser.add_argument("--threads", type=cli_args.bounded_int(1, 1024), default=None,
                         help="torch CPU threads (default: torch's)")
+    add_compile_args(parser)
     launch.add_arguments(parser)
     parser.set_defaults(func=run)
 
@@ -229,8 +239,11 @@ def run(args: argparse.Namespace) -> int:
         if isinstance(result, int):  # a rank > 0 under torchrun: it ran the forwards, rank 0 prints
             return result
     elif args.speculation is None:
+        settings = resolve_compile(args.compile, next(model.parameters()).device)
+        if settings is not None:
+            use_persistent_cache(cache_root() / "inductor")
         result = generate(model, tokenizer, prompt, params, stop_at_eos=not args.ignore_eos,
-                          grammar=grammar_from_args(args), kv_cache=kv_cache)
+                          grammar=grammar_from_args(args), kv_cache=kv_cache, compile=settings)
     else:
         if grammar_from_args(args) is not None:
             raise ValueError("--speculation: give no --json-schema, --regex or --choice with it")

@@ -21,6 +21,7 @@ from engine.distributed import launch, serve_ranks
 from engine.distributed.worker import EXIT_RANK_FAILURE
 from engine.api.launch import add_arguments as add_api_arguments, start_api
 from engine.engine_setup import EngineSetup, build_engine, run_started_row
+from engine.compile_args import add_compile_args
 from engine.kv_cache_args import add_kv_cache_args, kv_cache_options
 from engine.lever_watch import LeverWatcher
 from engine.model.cpu_features import DTYPE_CHOICES
@@ -79,6 +80,7 @@ def add_parser(subparsers) -> None:
                    help="auto: bfloat16 where the CPU has AMX or AVX512-BF16, else float32 (recorded in the run row)")
     p.add_argument("--no-telemetry", action="store_true", help="run without writing telemetry (benchmarks)")
     add_kv_cache_args(p)
+    add_compile_args(p)
     launch.add_arguments(p)
     add_api_arguments(p)
     p.set_defaults(func=run)
@@ -105,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     setup = build_engine(args.model, kv_blocks=args.kv_blocks, ssm_slots=args.ssm_slots,
                          levers=base_levers, seed=args.seed, prefix_cache=args.prefix_cache,
                          threads=args.threads, fault=fault, kv_cache=kv_cache_options(args), dtype=args.dtype,
-                         ep_size=args.ep)
+                         ep_size=args.ep, compile=args.compile)
     ep_run = serve_ranks.start(args, setup, from_torchrun, run_dir) if args.ep > 1 else None
     feed = WorkloadFeed.from_args(args, setup)
     _measure_roofline(setup)  # after the workload is known good: a bad one fails at once

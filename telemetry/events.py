@@ -75,6 +75,9 @@ KV_QUANT_STATES = ("off", "calibrating", "ready", "applied")
 # ``GenericEvent.kind`` of one expert-parallel rank's share of one forward (detail: rank, start_ns,
 # broadcast_ns, expert_ns, exchange_ns, forward_ns); the Live timeline draws one lane per rank.
 EVENT_EP_FORWARD = "ep_forward"
+# ``GenericEvent.kind`` of a decode step compiled during a tick (detail: bucket, seconds, graphs, recompile,
+# and the running totals num_graphs / num_recompiles): the recompile counter, never one per tick.
+EVENT_DECODE_COMPILE = "decode_compile"
 
 
 @dataclass

@@ -4,9 +4,10 @@ from __future__ import annotations
 import streamlit as st
 
 from dashboard import (api_panel, charts, context, data, engine_panel, heartbeat_view, kv_gauges, live_timeline,
-                       prefix_panel, spec_panel)
+                       prefix_panel, request_links, spec_panel)
 from dashboard.context import RunContext
 from dashboard.db import DataUnavailable
+from dashboard.metric_row import Metric, metric_row
 from dashboard.queries_live import MAX_STREAM_EVENTS
 from telemetry.engine_status import read_engine_status
 from telemetry.procs import is_engine_pid
@@ -14,6 +15,7 @@ from telemetry.procs import is_engine_pid
 REFRESH_S = 1.0
 BLOCKED_REFRESH_S = 0.5
 WINDOWS_S = (2, 5, 10, 30, 60, 300)
+HANDLED_CLICK_KEY = "live_timeline_handled_click"
 
 st.title("Live")
 engine_panel.render_live(context.paths())
@@ -23,24 +25,34 @@ window_s = st.select_slider("timeline window (s)", WINDOWS_S, value=10, key="liv
 def counters(c: dict, now: heartbeat_view.LiveState | None, is_running: bool) -> None:
     """The tick row's counters, or the heartbeat's when the ticks stopped (blocked, idle)."""
     shown = {**c, **now.counters} if now is not None else c
-    # room for "123 / 512", "1,234 / 8,192" and 6-digit ticks
-    cols = st.columns([1, 1.3, 1, 1.3, 1.6, 1.4, 1.2, 1.2, 1.2, 1.3])
-    cols[0].metric("waiting", shown["num_waiting"])
-    cols[1].metric("active (decoding)", shown["num_active"])
-    cols[2].metric("prefilling", shown["num_prefilling"])
-    cols[3].metric("KV blocks", f"{shown['kv_blocks_used']} / {shown['kv_blocks_total']}")
     tokens, size = kv_gauges.kv_gauges(c)   # from the tick row (the heartbeat carries blocks only)
-    cols[4].metric("KV tokens", tokens, help="token slots of the blocks in use / in use + what the free bytes "
-                                             "hold as new (full-precision) blocks")
-    cols[5].metric("KV MiB", size, help="bytes of the blocks in use / the KV byte budget")
-    cols[6].metric("SSM slots", f"{shown['ssm_slots_used']} / {shown['ssm_slots_total']}")
     # A blocked or ended engine computes nothing: its last window's rate would be a stale claim.
     moving = is_running and now is None
-    cols[7].metric("decode tok/s", f"{shown['decode_tok_s']:.1f}" if moving else "0.0" if is_running else "—")
-    cols[8].metric("prefill tok/s", f"{shown['prefill_tok_s']:.1f}" if moving else "0.0" if is_running else "—")
-    cols[9].metric("tick", shown["tick"])
+    metric_row([
+        Metric("waiting", shown["num_waiting"]),
+        Metric("active (decoding)", shown["num_active"]),
+        Metric("prefilling", shown["num_prefilling"]),
+        Metric("KV blocks", f"{shown['kv_blocks_used']} / {shown['kv_blocks_total']}"),
+        Metric("KV tokens", tokens, help="token slots of the blocks in use / in use + what the free bytes "
+                                         "hold as new (full-precision) blocks"),
+        Metric("KV MiB", size, help="bytes of the blocks in use / the KV byte budget"),
+        Metric("SSM slots", f"{shown['ssm_slots_used']} / {shown['ssm_slots_total']}"),
+        Metric("decode tok/s", f"{shown['decode_tok_s']:.1f}" if moving else "0.0" if is_running else "—"),
+        Metric("prefill tok/s", f"{shown['prefill_tok_s']:.1f}" if moving else "0.0" if is_running else "—"),
+        Metric("tick", shown["tick"]),
+    ])
     if not is_running:
         st.caption("The run has ended: the counters are from its last tick; it computes nothing now.")
+
+
+def open_clicked_request(ctx: RunContext, clicked: dict | None) -> None:
+    """A click on a forward opens its request on the Requests page (once per click)."""
+    target = request_links.clicked_request(clicked, st.session_state.get(HANDLED_CLICK_KEY))
+    if target is None:
+        return
+    request_id, stamp = target
+    st.session_state[HANDLED_CLICK_KEY] = stamp
+    st.switch_page(request_links.REQUESTS_PAGE, query_params=request_links.link_params(ctx.run_id, request_id))
 
 
 def engine_now(ctx: RunContext, last_tick_age_s: float | None) -> heartbeat_view.LiveState | None:
@@ -63,10 +75,9 @@ def render(ctx: RunContext) -> None:
         st.warning(f"Run {ctx.run_id} is marked running but no tick has arrived for {age:.0f} s.")
     win = data.timeline_window(ctx.db, ctx.run_id, ctx.version, float(window_s))
     cap = MAX_STREAM_EVENTS if win.stream_events_capped else None
-    fig = charts.timeline_figure(win.forwards, win.stream_events, win.links, win.preemptions,
-                                 win.lever_changes, (win.start_ms, win.end_ms), stream_events_cap=cap,
-                                 kv_quant_changes=win.kv_quant_changes, rank_forwards=win.rank_forwards)
-    live_timeline.render(fig, key="live_timeline", revision=end_ns)   # stays mounted: no blank frame, zoom kept
+    spec = data.timeline_spec(ctx.db, ctx.run_id, ctx.version, float(window_s))
+    clicked = live_timeline.render(spec, key="live_timeline", revision=end_ns)   # stays mounted: zoom kept
+    open_clicked_request(ctx, clicked)
     mode = "bucketed into WebGL segments" if win.is_bucketed else "one bar per forward"
     st.caption(f"last {window_s} s of run {ctx.run_id} ({ctx.run.get('status')}): {win.num_forwards} forwards, "
                f"{mode}; {len(win.stream_events)} stream events{' (capped: newest only)' if cap else ''}, "

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import charts, context, data, grammar_panel
+from dashboard import charts, context, data, grammar_panel, request_links
 from dashboard.context import RunContext
 from dashboard.lifecycle import request_phases
 from dashboard.queries_requests import MAX_LISTED, BadSearch, parse_search
 from telemetry import events as ev
 
 STATUSES = ev.REQUEST_STATUSES
+LINK_KEY = "requests_linked_request"   # the linked request already put in the search box
 
 # prefix columns next to the prompt: a hybrid model's miss reason is the first thing to read
 TABLE_COLUMNS = ["request_id", "source", "status", "prompt_len", "prefix_hit_tokens", "prefix_hit_ratio",
@@ -19,7 +20,19 @@ TABLE_COLUMNS = ["request_id", "source", "status", "prompt_len", "prefix_hit_tok
 st.title("Requests")
 
 
+def follow_link() -> None:
+    """``?request=12`` (a click on the Live timeline, a Chunks link) fills the search once per link,
+    so the user can edit the search afterwards."""
+    request_id = request_links.linked_value(st.query_params, request_links.REQUEST_PARAM)
+    if request_id is None or st.session_state.get(LINK_KEY) == request_id:
+        return
+    st.session_state[LINK_KEY] = request_id
+    st.session_state["requests_search"] = str(request_id)
+    st.session_state["requests_status"] = []
+
+
 def render(ctx: RunContext) -> None:
+    follow_link()
     cols = st.columns([2, 3])
     text = cols[0].text_input("search request ids", key="requests_search", placeholder="12 · 3, 7 · 10-20")
     statuses = cols[1].multiselect("status", STATUSES, key="requests_status")

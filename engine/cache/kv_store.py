@@ -12,12 +12,16 @@ class KVStore:
     """
 
     def __init__(self, layer_ids: list[int], num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+                 head_dim: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 scratch_block: bool = False):
+        """``scratch_block``: one more block past the last, outside the block manager's range
+        (``scratch_block_id``): the compiled decode step's padding rows write their K/V there."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"KVStore needs num_blocks > 0 and block_size > 0, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.scratch_block_id: int | None = num_blocks if scratch_block else None
+        shape = (num_blocks + int(scratch_block), block_size, num_kv_heads, head_dim)
         self.keys = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
         self.values = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
 
@@ -30,6 +34,13 @@ class KVStore:
 
     def write(self, layer_id: int, kv_slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """kv_slots: [T]; key/value: [T, num_kv_heads, head_dim]."""
+        if torch.compiler.is_compiling():
+            # Written by (block, offset) into the store itself: inductor turns a write into a view of a
+            # graph input into a copy of the whole store per layer and step (the compiled decode step).
+            blocks, offsets = kv_slots // self.block_size, kv_slots % self.block_size
+            self.keys[layer_id].index_put_((blocks, offsets), key)
+            self.values[layer_id].index_put_((blocks, offsets), value)
+            return
         kv_heads, head_dim = key.shape[1:]
         self.keys[layer_id].view(-1, kv_heads, head_dim).index_copy_(0, kv_slots, key)
         self.values[layer_id].view(-1, kv_heads, head_dim).index_copy_(0, kv_slots, value)

@@ -27,13 +27,16 @@ class SSMPool:
 
     def __init__(self, num_slots: int, num_linear_layers: int, conv_dim: int, conv_kernel: int,
                  num_value_heads: int, key_head_dim: int, value_head_dim: int,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", scratch_slot: bool = False):
+        """``scratch_slot``: one more slot past the last, never handed out (``scratch_slot_id``): the
+        compiled decode step's padding rows read and write their state there."""
         if num_slots <= 0:
             raise ValueError(f"SSMPool needs num_slots > 0, got {num_slots}")
         self.num_slots = num_slots
-        layers = max(num_linear_layers, 1)
-        self.conv = torch.zeros(layers, num_slots, conv_dim, conv_kernel - 1, device=device)
-        self.recurrent = torch.zeros(layers, num_slots, num_value_heads, key_head_dim, value_head_dim,
+        self.scratch_slot_id: int | None = num_slots if scratch_slot else None
+        layers, rows = max(num_linear_layers, 1), num_slots + int(scratch_slot)
+        self.conv = torch.zeros(layers, rows, conv_dim, conv_kernel - 1, device=device)
+        self.recurrent = torch.zeros(layers, rows, num_value_heads, key_head_dim, value_head_dim,
                                      device=device)
         self._free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._used: set[int] = set()
@@ -101,6 +104,19 @@ class SSMPool:
         self.recurrent.index_copy_(1, index, snapshot.recurrent)
         for slot in slots:
             self._mark(slot)
+
+    def write_rows(self, layer: int, slots: torch.Tensor, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """A forward's new states for ``slots`` [B] of linear layer ``layer``: conv [B, C, K-1], recurrent
+        [B, Hv, Dk, Dv]. Eager copies into the layer's view; a compiled graph writes the base tensors by
+        (layer, slot) instead: inductor turns a write into a view of a graph input into a copy of the
+        whole layer (every slot, each step), and a write into the input itself into an in-place one."""
+        if not torch.compiler.is_compiling():
+            self.conv[layer].index_copy_(0, slots, conv)
+            self.recurrent[layer].index_copy_(0, slots, recurrent)
+            return
+        layers = torch.full_like(slots, layer)
+        self.conv.index_put_((layers, slots), conv)
+        self.recurrent.index_put_((layers, slots), recurrent)
 
     def normalize(self, slot: int, max_norm: float) -> bool:
         """Scale down any head whose recurrent-state Frobenius norm exceeds ``max_norm``.

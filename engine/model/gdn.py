@@ -95,7 +95,6 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, pool: SSMPool) -> torch.Tensor:
         """x: [T, hidden] packed rows (prefill chunk first, then decode rows)."""
-        num_tokens = x.shape[0]
         mixed, z, b, a = self._project(x)  # [T, conv_dim], [T, value_dim], [T, Hv], [T, Hv]
         conv_states = pool.conv[self.linear_index]  # [S, conv_dim, K-1]
         rec_states = pool.recurrent[self.linear_index]  # [S, Hv, Dk, Dv]
@@ -138,7 +137,7 @@ class GatedDeltaNet(nn.Module):
                                       self.num_k_heads, self.head_k_dim, self.head_v_dim)
                 if out is None:
                     out = self._decode_rows(rows, g_rows, beta_rows, conv_states, rec_states, group.ssm_slots,
-                                            group.slot_range)
+                                            group.slot_range, pool)
                 normed = self._norm(out, z[split:], x.dtype)
             pieces.append(normed)  # [B, value_dim]
 
@@ -205,13 +204,14 @@ class GatedDeltaNet(nn.Module):
         return torch.cat([head_out, tail_out], dim=1), final
 
     def _decode_rows(self, rows: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_states: torch.Tensor,
-                     rec_states: torch.Tensor, slots: torch.Tensor, slot_range: tuple[int, int] | None) -> torch.Tensor:
+                     rec_states: torch.Tensor, slots: torch.Tensor, slot_range: tuple[int, int] | None,
+                     pool: SSMPool | None = None) -> torch.Tensor:
         """The decode step in tensor ops (where the native kernel does not run): -> [B, Hv, Dv].
 
         rows [B, conv_dim] pre-conv inputs; g, beta [B, Hv]; conv_states [S, C, K-1] and
         rec_states [S, Hv, Dk, Dv] the pools, updated in place at ``slots`` [B]: on views when
         the slots are consecutive (``slot_range`` (first, end)), else on gathered copies
-        scattered back.
+        scattered back (through ``pool.write_rows`` when given: a compiled graph writes the pool itself).
         """
         weight = self.conv1d.weight[:, 0, :]  # [C, K]
         if slot_range is not None:
@@ -227,7 +227,9 @@ class GatedDeltaNet(nn.Module):
         if repeat > 1:
             q, k = q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)  # [B, Hv, Dk]
         out = recurrent_gated_delta_step(q, k, v, g, beta, state)
-        if slot_range is None:
+        if slot_range is None and pool is not None:
+            pool.write_rows(self.linear_index, slots, conv_view, state)  # the base tensors while compiling
+        elif slot_range is None:
             conv_states.index_copy_(0, slots, conv_view)
             rec_states.index_copy_(0, slots, state)
         return out

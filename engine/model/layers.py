@@ -226,16 +226,20 @@ class PartialRotary(nn.Module):
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos [T, 1, rotary_dim] and the signed sin [T, 1, rotary_dim] for ``apply``, once per forward.
+
+        The sin's first half is negated: rotate_half(x) * sin == swap_halves(x) * signed_sin exactly
+        (a sign flip rounds nothing), so ``apply`` needs no negation and no second cat per call.
+        """
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, rotary_dim / 2]
-        angles = torch.cat([freqs, freqs], dim=-1)  # [T, rotary_dim]
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        freqs = positions.float()[:, None, None] * self.inv_freq  # [T, 1, rotary_dim / 2]
+        sin = freqs.sin()
+        return torch.cat([freqs, freqs], dim=-1).cos().to(dtype), torch.cat([-sin, sin], dim=-1).to(dtype)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [T, H, D]; cos/sin: [T, rotary_dim]."""
-        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim:]
+        """x: [T, H, D]; cos / signed sin from ``cos_sin``: [T, 1, rotary_dim]. Returns a new [T, H, D]."""
+        rot = x[..., : self.rotary_dim]
         half = self.rotary_dim // 2
-        rotated_half = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-        rot = rot * cos[:, None, :] + rotated_half * sin[:, None, :]
-        return torch.cat([rot, rest], dim=-1)
+        swapped = torch.cat([rot[..., half:], rot[..., :half]], dim=-1)  # [T, H, rotary_dim]
+        return torch.cat([rot * cos + swapped * sin, x[..., self.rotary_dim:]], dim=-1)

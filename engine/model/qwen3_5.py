@@ -59,6 +59,9 @@ class Qwen35ForCausalLM(nn.Module):
 
     is_mla = False  # plain grouped K/V heads, no latent compression
     is_ep = False  # dense MLP, no expert parallelism
+    # Decode-only forwards may run compiled (engine/model/compiled_decode.py): every op's shape
+    # follows the padded batch and the block-table width, none depends on tensor values.
+    supports_compiled_decode = True
 
     def __init__(self, config: ModelConfig, make_mlp=None):
         super().__init__()

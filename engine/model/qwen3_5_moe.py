@@ -147,6 +147,9 @@ class SparseMoeBlock(nn.Module):
 class Qwen35MoeForCausalLM(Qwen35ForCausalLM):
     """The MoE model; ``ep_rank`` / ``ep_size`` choose which experts this process holds."""
 
+    # Expert routing picks rows by value (which experts each token chose): decode stays eager.
+    supports_compiled_decode = False
+
     def __init__(self, config: ModelConfig, ep_rank: int = 0, ep_size: int = 1):
         if not config.is_moe:
             raise ConfigError("Qwen35MoeForCausalLM needs a config with num_experts > 0")

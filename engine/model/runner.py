@@ -10,6 +10,7 @@ from engine.cache.kv_quant import InnerQConfig, fp_block_bytes
 from engine.cache.kv_store import KVStore
 from engine.cache.ssm_pool import SSMPool, SSMSnapshot
 from engine.model.batch import ForwardBatch, build_batch
+from engine.model.compiled_decode import CompiledDecode, CompileSettings
 from engine.model.fault import KIND_DECODE, KIND_MIXED, KIND_PREFILL, ForwardFault
 from engine.model import mtp_feed
 from engine.model.gdn import SSMCapture
@@ -31,7 +32,9 @@ class ModelRunner:
     def __init__(self, model: Qwen35ForCausalLM, num_kv_blocks: int, num_ssm_slots: int,
                  block_size: int = 16, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  fault: ForwardFault | None = None, kv_quant: InnerQConfig | None = None,
-                 kv_budget_bytes: int | None = None):
+                 kv_budget_bytes: int | None = None, compile: CompileSettings | None = None):
+        """``compile``: decode-only forwards through ``CompiledDecode`` (``compiled_decode.py``); the
+        caches then get the scratch block and slot its padding rows write to."""
         self.model = model
         self.config = config = model.config
         self.device = torch.device(device)
@@ -50,7 +53,7 @@ class ModelRunner:
                                      f"({self.fp_block_bytes} bytes each)")
             self.block_manager = BlockManager(num_kv_blocks, block_size)
             self.kv_store = KVStore(layers, num_kv_blocks, block_size, kv_heads, head_dim, dtype=dtype,
-                                    device=self.device)
+                                    device=self.device, scratch_block=compile is not None)
         else:
             budget = kv_budget_bytes if kv_budget_bytes is not None else num_kv_blocks * self.fp_block_bytes
             self.innerq = InnerQCache.build(layers, budget, block_size, kv_heads, head_dim, kv_quant, dtype,
@@ -59,7 +62,8 @@ class ModelRunner:
             self.kv_store = self.innerq.store
         self.ssm_pool = SSMPool(num_ssm_slots, len(config.linear_attention_layers), config.conv_dim,
                                 config.linear_conv_kernel_dim, config.linear_num_value_heads,
-                                config.linear_key_head_dim, config.linear_value_head_dim, device=self.device)
+                                config.linear_key_head_dim, config.linear_value_head_dim, device=self.device,
+                                scratch_slot=compile is not None)
         # The SSM state a forward captured inside its prefill chunk (``capture_at``), else None.
         self.last_capture: SSMSnapshot | None = None
         self.fault = fault
@@ -67,6 +71,12 @@ class ModelRunner:
         self.mtp_keep_up = False
         # FLOPs and bytes of the forwards run since the last ``take_forward_cost`` (the tick's roofline).
         self._forward_cost = ForwardCost(0.0, 0.0)
+        # The compiled decode step (None: eager); an InnerQ cache calibrates in Python, so it stays eager.
+        self.compiled_decode: CompiledDecode | None = None
+        if compile is not None and self.innerq is None and getattr(model, "supports_compiled_decode", False):
+            self.compiled_decode = CompiledDecode(model, self.kv_store, self.ssm_pool, block_size, compile,
+                                                  self.device)
+        self.last_forward_compiled = False  # whether the last forward ran the compiled step
 
     # ---- properties the scheduler reads ----------------------------------------------
     @property
@@ -177,6 +187,9 @@ class ModelRunner:
             prefill = (chunk, prefill_seq.num_cached_tokens, prefill_seq.block_table, prefill_seq.ssm_slot)
         decodes = [(tok, seq.num_cached_tokens, seq.block_table, seq.ssm_slot)
                    for seq, tok in zip(decode_seqs, decode_tokens)]
+        self.last_forward_compiled = prefill_seq is None and self._may_compile(len(decode_seqs))
+        if self.last_forward_compiled:
+            return None, self._compiled_decode_step(decodes, decode_seqs, grown)
         batch = build_batch(prefill, decodes, self.kv_block_size, self.device)
         capture = None
         if capture_at is not None:
@@ -200,6 +213,27 @@ class ModelRunner:
         prefill_logits = logits[0] if prefill_seq is not None and is_last else None
         return prefill_logits, logits[len(rows) - len(decode_seqs):]
 
+    def _may_compile(self, rows: int) -> bool:
+        """A decode-only forward the compiled step serves: no fault hook, no MTP rows, a bucket that fits."""
+        return (self.compiled_decode is not None and self.fault is None and self.compiled_decode.accepts(rows)
+                and not (self.mtp_keep_up and self.model.has_mtp_head))
+
+    def _compiled_decode_step(self, decodes, decode_seqs: list[SequenceState], grown) -> torch.Tensor:
+        """``mixed_forward``'s decode-only case through the compiled step; logits [B, V]."""
+        try:
+            logits = self.compiled_decode(decodes)  # [B, V]
+        except Exception:
+            self._undo_allocation(grown)
+            raise
+        self.note_forward(0, 0, [seq.num_cached_tokens + 1 for seq in decode_seqs], len(decode_seqs))
+        for seq in decode_seqs:
+            seq.num_cached_tokens += 1
+        return logits
+
+    def take_compile_events(self) -> list[dict]:
+        """The compiled step's compiles since the last call (``CompiledDecode.take_events``)."""
+        return self.compiled_decode.take_events() if self.compiled_decode is not None else []
+
     # ---- roofline accounting ----------------------------------------------------------------
     def note_forward(self, prefill_tokens: int, prefill_start: int, decode_contexts: list[int],
                      logits_rows: int) -> None:
@@ -216,7 +250,9 @@ class ModelRunner:
     def _call_model(self, batch: ForwardBatch, rows: list[int], grown: list[tuple[SequenceState, int]],
                     prefill_seq: SequenceState | None, decode_seqs: list[SequenceState]) -> torch.Tensor:
         """The model over ``batch``, logits [R, V] at ``rows``; on an error the new blocks go back."""
-        row_ids = torch.tensor(rows, dtype=torch.long, device=self.device)
+        # Every row wants logits (a decode-only forward): no index_select of the last layer's rows.
+        row_ids = None if rows == list(range(batch.num_tokens)) else torch.tensor(rows, dtype=torch.long,
+                                                                                    device=self.device)
         self.kv_store.begin_forward(batch.num_prefill_tokens)  # InnerQ calibrates on prefill keys
         try:
             if self.fault is None:
@@ -231,7 +267,7 @@ class ModelRunner:
         finally:
             self.kv_store.begin_forward(0)  # a forward built elsewhere (verify) is not a prefill
 
-    def _model_and_mtp(self, batch: ForwardBatch, row_ids: torch.Tensor, prefill_seq: SequenceState | None,
+    def _model_and_mtp(self, batch: ForwardBatch, row_ids: torch.Tensor | None, prefill_seq: SequenceState | None,
                        decode_seqs: list[SequenceState]) -> torch.Tensor:
         if not (self.mtp_keep_up and self.model.has_mtp_head):
             return self.model(batch, self.kv_store, self.ssm_pool, row_ids)

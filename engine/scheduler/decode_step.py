@@ -53,6 +53,8 @@ def _forward_and_sample(sched: Scheduler, waiting_rows: list[Request]) -> int:
         sched.streams.wait(STREAM_DEFAULT, EVENT_SECONDARY_DONE)
     with sched.streams.use(STREAM_DEFAULT):
         logits = sched.runner.decode([a.seq for a in batch], [a.last_token for a in batch])
+    for detail in sched.runner.take_compile_events():  # a bucket's first compile, or a recompile
+        sched.emit(ev.GenericEvent(tick=sched.tick, t_ns=sched.now_ns(), kind=ev.EVENT_DECODE_COMPILE, detail=detail))
     process_logits(sched, batch, logits)
     return len(batch)
 

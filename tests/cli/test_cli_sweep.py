@@ -48,6 +48,7 @@ def cases(d: dict[str, str]) -> list[list[str]]:
         serve + ["--kv-cache-dtype", "innerq4", "--kv-recent-tokens", "0"],
         serve + ["--kv-cache-dtype", "innerq4", "--kv-group-size", "24"],
         gen + ["--kv-cache-dtype", "innerq8", "--kv-calib-tokens", "0"], gen + ["--kv-sink-tokens", BIG],
+        gen + ["--compile", "sometimes"], serve + ["--compile", "bogus"],
         ["engine", "replay", d["good"], "--kv-cache-dtype", "bogus"],
         ["engine", "replay", d["good"], "--kv-cache-mb", "-1"],
         ["engine", "replay"], ["engine", "replay", d["missing"]], ["engine", "replay", d["missing"] + ".zip"],

@@ -1,0 +1,187 @@
+"""The compiled decode step: decode-only forwards through ``torch.compile``, batch padded to a few sizes.
+
+A tiny model's decode step is a few hundred small ops; eager PyTorch pays a dispatch for each.
+A compiled graph (inductor's fused C++ kernels on CPU; CUDA graphs on a GPU) pays once per
+step instead. Shapes are what make or break it: a graph is specialised to its batch size, so
+the batch is padded up to the next of ``BATCH_BUCKETS`` (one graph per bucket, compiled at
+start or on first use) and the block-table width, which grows with the context, is marked
+dynamic (one graph serves every context length). Padding rows decode token 0 at position 0
+into a scratch SSM slot and a scratch KV block that no sequence owns, so they touch nothing
+real; each output row depends on its own row only, so the real rows are unchanged.
+
+Every compile is counted (``torch._dynamo`` frame counters around each call) and handed to
+the scheduler as an event (``take_events``): a graph compiled for a bucket that already had
+one is a recompile, which the shapes above are built never to cause per tick.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.model.batch import DecodeGroup, ForwardBatch
+
+log = logging.getLogger("chunkscope.compile")
+
+COMPILE_CHOICES = ("auto", "on", "off")
+# Padded batch sizes: at most 2x the rows of a batch, and 7 graphs for every width up to 64.
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+# Dynamo specialises a dimension of size 0 or 1, so the block-table width is never below 2:
+# otherwise the first block boundary (context 16 -> 17) would compile a second graph.
+MIN_BLOCK_COLUMNS = 2
+# The backend behind ``--compile on``; tests set a cheap one (eager, aot_eager) to check the wiring.
+BACKEND_ENV = "CHUNKSCOPE_COMPILE_BACKEND"
+BACKENDS = ("inductor", "aot_eager", "eager")
+
+
+@dataclass(frozen=True)
+class CompileSettings:
+    backend: str                       # a torch.compile backend: inductor, aot_eager or eager
+    mode: str | None = None            # "reduce-overhead" (CUDA graphs) on a GPU
+    buckets: tuple[int, ...] = BATCH_BUCKETS
+
+    def describe(self) -> dict:
+        return {"backend": self.backend, "mode": self.mode, "buckets": list(self.buckets)}
+
+
+def resolve_compile(choice: str, device: torch.device | str) -> CompileSettings | None:
+    """``--compile`` auto / on / off -> the settings, or None for eager.
+
+    auto compiles on a GPU only (CUDA graphs take the launch overhead out of every step at
+    little compile cost). On CPU it stays eager: inductor compiled the tiny model's decode for
+    minutes on the 2-core EPYC this was measured on (bench/compile_decode.py, README), for a
+    1.2-1.5x faster step; ``--compile on`` opts in where a server runs long enough to pay that.
+    """
+    if choice not in COMPILE_CHOICES:
+        raise ValueError(f"--compile: {choice!r} is not one of {', '.join(COMPILE_CHOICES)}")
+    is_cuda = torch.device(device).type == "cuda"
+    if choice == "off" or (choice == "auto" and not is_cuda):
+        return None
+    backend = os.environ.get(BACKEND_ENV, "inductor")
+    if backend not in BACKENDS:
+        raise ValueError(f"{BACKEND_ENV}={backend!r}: expected one of {', '.join(BACKENDS)}")
+    return CompileSettings(backend, "reduce-overhead" if is_cuda and backend == "inductor" else None)
+
+
+def bucket_for(rows: int, buckets: tuple[int, ...]) -> int | None:
+    """The smallest bucket holding ``rows`` rows, or None when the batch is wider than every bucket."""
+    return next((b for b in buckets if b >= rows), None)
+
+
+def use_persistent_cache(cache_dir: os.PathLike | str) -> None:
+    """Inductor's compiled kernels and FX graphs under ``cache_dir``, so a second start loads them."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir))
+    os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
+
+
+def _frames_compiled() -> int:
+    from torch._dynamo.utils import counters
+    return int(counters["frames"]["ok"])
+
+
+class CompiledDecode:
+    """Decode-only forwards of ``model`` over ``kv_store`` / ``ssm_pool`` through one compiled function.
+
+    The store and the pool must have their scratch block and slot (``scratch_block`` /
+    ``scratch_slot`` at construction). ``num_graphs`` counts every graph compiled,
+    ``num_recompiles`` those compiled for a bucket that had one already.
+    """
+
+    def __init__(self, model, kv_store, ssm_pool, block_size: int, settings: CompileSettings,
+                 device: torch.device):
+        if kv_store.scratch_block_id is None or ssm_pool.scratch_slot_id is None:
+            raise ValueError("the compiled decode step needs a KV store and SSM pool with scratch space")
+        self.model, self.kv_store, self.ssm_pool = model, kv_store, ssm_pool
+        self.block_size, self.settings, self.device = block_size, settings, device
+        # One cache entry per bucket on the same function: dynamo's per-function limit (8) would send
+        # the widest buckets back to eager without a word, so it is raised to fit them all twice over.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(settings.buckets))
+        self._compiled = torch.compile(self._decode, backend=settings.backend, mode=settings.mode,
+                                       dynamic=False)
+        self.buckets_run: set[int] = set()  # buckets this step has run (a compile for one of them is a recompile)
+        self.num_graphs = 0
+        self.num_recompiles = 0
+        self.compile_seconds = 0.0
+        self.num_calls = 0  # forwards run compiled
+        self._events: list[dict] = []
+
+    def accepts(self, rows: int) -> bool:
+        return bucket_for(rows, self.settings.buckets) is not None
+
+    def warm_up(self, max_rows: int) -> float:
+        """Compile every bucket a batch of up to ``max_rows`` rows uses (padding rows only); seconds taken."""
+        started = time.perf_counter()
+        top = bucket_for(max_rows, self.settings.buckets) or self.settings.buckets[-1]
+        for bucket in self.settings.buckets:
+            if bucket > top:
+                break
+            self([], bucket=bucket)
+        return time.perf_counter() - started
+
+    def take_events(self) -> list[dict]:
+        """The compiles since the last call: bucket, seconds, graphs, recompile flag and running totals."""
+        events, self._events = self._events, []
+        return events
+
+    def __call__(self, decodes: list[tuple[int, int, list[int], int]] | None,
+                 bucket: int | None = None) -> torch.Tensor:
+        """decodes: (token, position, block table, ssm slot) per row -> logits [B, V].
+
+        ``bucket`` pads to that size instead of the smallest that fits (warm-up with no rows).
+        """
+        decodes = decodes or []
+        bucket = bucket or bucket_for(len(decodes), self.settings.buckets)
+        inputs = self._padded_inputs(decodes, bucket)
+        before, started = _frames_compiled(), time.perf_counter()
+        with torch.inference_mode():
+            logits = self._compiled(*inputs)  # [P, V]
+        compiled = _frames_compiled() - before
+        if compiled:
+            self._note_compile(bucket, compiled, time.perf_counter() - started)
+        self.buckets_run.add(bucket)
+        self.num_calls += 1
+        return logits[:len(decodes)]
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def _padded_inputs(self, decodes, bucket: int):
+        """The decode rows padded to ``bucket`` rows, as the compiled function's tensors."""
+        size = self.block_size
+        scratch_block, scratch_slot = self.kv_store.scratch_block_id, self.ssm_pool.scratch_slot_id
+        padding = bucket - len(decodes)
+        tokens = [tok for tok, *_ in decodes] + [0] * padding
+        positions = [pos for _, pos, _, _ in decodes] + [0] * padding
+        kv_slots = [table[pos // size] * size + pos % size for _, pos, table, _ in decodes]
+        kv_slots += [scratch_block * size] * padding
+        slots = [slot for *_, slot in decodes] + [scratch_slot] * padding
+        used = [table[: pos // size + 1] for _, pos, table, _ in decodes] + [[scratch_block]] * padding
+        width = max(MIN_BLOCK_COLUMNS, max(len(u) for u in used))
+        tables = [u + [scratch_block] * (width - len(u)) for u in used]  # masked out by context_lens
+        as_long = dict(dtype=torch.long, device=self.device)
+        block_tables = torch.tensor(tables, **as_long)  # [P, width]
+        torch._dynamo.maybe_mark_dynamic(block_tables, 1)  # the context grows: one graph for every width
+        return (torch.tensor(tokens, **as_long), torch.tensor(positions, **as_long),
+                torch.tensor(kv_slots, **as_long), torch.tensor(slots, **as_long), block_tables,
+                torch.tensor(positions, **as_long) + 1)
+
+    def _decode(self, token_ids, positions, kv_slots, ssm_slots, block_tables, context_lens):
+        """The traced step: [P] ids / positions / slots, block tables [P, W], context lens [P] -> [P, V]."""
+        columns = torch.arange(block_tables.shape[1] * self.block_size, device=token_ids.device)
+        visible = (columns[None, :] < context_lens[:, None])[:, None, None, :]  # [P, 1, 1, W * block]
+        group = DecodeGroup(ssm_slots, block_tables, context_lens, visible, slot_range=None)
+        batch = ForwardBatch(token_ids, positions, kv_slots, None, group)
+        # The undecorated forward: inference mode is set around the compiled call, not traced.
+        return type(self.model).forward.__wrapped__(self.model, batch, self.kv_store, self.ssm_pool, None)
+
+    def _note_compile(self, bucket: int, graphs: int, seconds: float) -> None:
+        recompile = bucket in self.buckets_run
+        self.num_graphs += graphs
+        self.num_recompiles += int(recompile)
+        self.compile_seconds += seconds
+        log.info("decode step %s for batch bucket %d: %d graph(s) in %.2f s (%s backend)",
+                 "recompiled" if recompile else "compiled", bucket, graphs, seconds, self.settings.backend)
+        self._events.append({"bucket": bucket, "seconds": round(seconds, 3), "graphs": graphs,
+                             "recompile": recompile, "num_graphs": self.num_graphs,
+                             "num_recompiles": self.num_recompiles})
