@@ -9,6 +9,7 @@ mouse drag and checks the zoom outlives refreshes and the graph never blanks.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -79,6 +80,42 @@ def _healthy(url: str) -> bool:
         return False
 
 
+@contextlib.contextmanager
+def served_dashboard(run_dir: Path, log: Path):
+    """``streamlit run`` of the dashboard on ``run_dir`` at a free loopback port; yields its URL once healthy."""
+    port = _free_port()
+    dash = subprocess.Popen(
+        [sys.executable, "-m", "streamlit", "run", str(ROOT / "dashboard" / "app.py"), "--server.headless", "true",
+         "--server.address", "127.0.0.1", "--server.port", str(port), "--", "--run-dir", str(run_dir)],
+        cwd=ROOT, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_for(lambda: _healthy(url), 60, "the dashboard to serve")
+        yield url
+    finally:
+        dash.terminate()
+        try:
+            dash.wait(10)
+        except subprocess.TimeoutExpired:
+            dash.kill()
+
+
+@contextlib.contextmanager
+def chromium_browser():
+    """Debian chromium under Playwright, closed on the way out."""
+    from playwright.sync_api import sync_playwright
+
+    pw = sync_playwright().start()
+    browser = None
+    try:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield browser
+    finally:
+        if browser is not None:
+            browser.close()
+        pw.stop()
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     reason = _skip_reason()
@@ -90,42 +127,23 @@ def served(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("served")
     paths = RunPaths(tmp_path / "run")
     engine_control.start_engine(paths, "tiny", "synthetic", 4.0)
-    port = _free_port()
-    dash = subprocess.Popen(
-        [sys.executable, "-m", "streamlit", "run", str(ROOT / "dashboard" / "app.py"), "--server.headless", "true",
-         "--server.address", "127.0.0.1", "--server.port", str(port), "--", "--run-dir", str(paths.run_dir)],
-        cwd=ROOT, stdout=open(tmp_path / "dashboard.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
     try:
-        _wait_for(lambda: _healthy(url), 60, "the dashboard to serve")
-        _wait_for(lambda: _count(paths.db, "SELECT COUNT(*) FROM ticks"), 90, "the engine's first ticks")
-        yield url, paths
+        with served_dashboard(paths.run_dir, tmp_path / "dashboard.log") as url:
+            _wait_for(lambda: _count(paths.db, "SELECT COUNT(*) FROM ticks"), 90, "the engine's first ticks")
+            yield url, paths
     finally:
-        dash.terminate()
-        try:
-            dash.wait(10)
-        except subprocess.TimeoutExpired:
-            dash.kill()
         engine_control.stop_engine(paths, timeout_s=15)
 
 
 @pytest.fixture(scope="module")
 def live_page(served):
     """One browser page on the Live page, shared by the tests (loading it is the slow part)."""
-    from playwright.sync_api import sync_playwright
-
     url, _ = served
-    pw = sync_playwright().start()
-    browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-    try:
+    with chromium_browser() as browser:
         page = browser.new_page(viewport={"width": 1500, "height": 1100})
         page.goto(url)
         page.locator('[data-testid="stMetricValue"]').first.wait_for(timeout=60_000)
         yield page
-    finally:
-        browser.close()
-        pw.stop()
-
 
 def _tick_value(page) -> int:
     text = page.locator('[data-testid="stMetric"]:has-text("tick") [data-testid="stMetricValue"]').first.inner_text()

@@ -7,13 +7,11 @@ the pages hold still), driven by Debian chromium through Playwright.
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from urllib.parse import parse_qs, urlparse
 
 import pytest
 
-from test_browser import CHROMIUM, CHROMIUM_ARGS, ROOT, _free_port, _healthy, _skip_reason, _wait_for
+from test_browser import _skip_reason, _wait_for, chromium_browser, served_dashboard
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -60,31 +58,9 @@ def browser_on_real_run(real_run_dir, tmp_path_factory):
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
-    from playwright.sync_api import sync_playwright
-
     log = tmp_path_factory.mktemp("pages") / "dashboard.log"
-    port = _free_port()
-    dash = subprocess.Popen(
-        [sys.executable, "-m", "streamlit", "run", str(ROOT / "dashboard" / "app.py"), "--server.headless", "true",
-         "--server.address", "127.0.0.1", "--server.port", str(port), "--", "--run-dir", str(real_run_dir.run_dir)],
-        cwd=ROOT, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    pw = sync_playwright().start()
-    browser = None
-    try:
-        _wait_for(lambda: _healthy(url), 60, "the dashboard to serve")
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+    with served_dashboard(real_run_dir.run_dir, log) as url, chromium_browser() as browser:
         yield browser, url
-    finally:
-        if browser is not None:
-            browser.close()
-        pw.stop()
-        dash.terminate()
-        try:
-            dash.wait(10)
-        except subprocess.TimeoutExpired:
-            dash.kill()
-
 
 def _open(page, url: str, name: str) -> None:
     page.goto(url if name == "Live" else f"{url}/{name.lower()}")

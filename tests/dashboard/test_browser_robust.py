@@ -4,13 +4,11 @@ Live page once a second on a stale run label)."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 import time
 
 import pytest
 
-from test_browser import CHROMIUM, CHROMIUM_ARGS, ROOT, _count, _free_port, _healthy, _skip_reason, _wait_for
+from test_browser import _count, _skip_reason, _wait_for, chromium_browser, served_dashboard
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -20,39 +18,20 @@ def session(tmp_path_factory):
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
-    from playwright.sync_api import sync_playwright
-
     from dashboard import engine_control
     from dashboard.paths import RunPaths
 
     tmp_path = tmp_path_factory.mktemp("robust")
     paths = RunPaths(tmp_path / "run")
     engine_control.start_engine(paths, "tiny", "synthetic", 8.0)
-    port = _free_port()
-    dash = subprocess.Popen(
-        [sys.executable, "-m", "streamlit", "run", str(ROOT / "dashboard" / "app.py"), "--server.headless", "true",
-         "--server.address", "127.0.0.1", "--server.port", str(port), "--", "--run-dir", str(paths.run_dir)],
-        cwd=ROOT, stdout=open(tmp_path / "dashboard.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    pw = sync_playwright().start()
-    browser = None
     try:
-        _wait_for(lambda: _healthy(url), 60, "the dashboard to serve")
-        _wait_for(lambda: _count(paths.db, "SELECT COUNT(*) FROM ticks"), 90, "the engine's first ticks")
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1500, "height": 1100})
-        page.goto(url)
-        page.locator('[data-testid="stMetricValue"]').first.wait_for(timeout=60_000)
-        yield page, paths
+        with served_dashboard(paths.run_dir, tmp_path / "dashboard.log") as url, chromium_browser() as browser:
+            _wait_for(lambda: _count(paths.db, "SELECT COUNT(*) FROM ticks"), 90, "the engine's first ticks")
+            page = browser.new_page(viewport={"width": 1500, "height": 1100})
+            page.goto(url)
+            page.locator('[data-testid="stMetricValue"]').first.wait_for(timeout=60_000)
+            yield page, paths
     finally:
-        if browser is not None:
-            browser.close()
-        pw.stop()
-        dash.terminate()
-        try:
-            dash.wait(10)
-        except subprocess.TimeoutExpired:
-            dash.kill()
         engine_control.stop_engine(paths, timeout_s=15)
 
 
