@@ -187,18 +187,19 @@ class ModelRunner:
             prefill = (chunk, prefill_seq.num_cached_tokens, prefill_seq.block_table, prefill_seq.ssm_slot)
         decodes = [(tok, seq.num_cached_tokens, seq.block_table, seq.ssm_slot)
                    for seq, tok in zip(decode_seqs, decode_tokens)]
-        self.last_forward_compiled = prefill_seq is None and self._may_compile(len(decode_seqs))
-        if self.last_forward_compiled:
-            return None, self._compiled_decode_step(decodes, decode_seqs, grown)
-        batch = build_batch(prefill, decodes, self.kv_block_size, self.device)
-        capture = None
-        if capture_at is not None:
-            capture = SSMCapture(num_rows=capture_at - offset)
-            batch.ssm_capture = capture  # read by every GatedDeltaNet layer of this forward
         rows = list(range(len(chunk), len(chunk) + len(decode_seqs)))
         if prefill_seq is not None and is_last:
             rows.insert(0, len(chunk) - 1)
-        logits = self._call_model(batch, rows, grown, prefill_seq, decode_seqs)  # [R, V]
+        capture = None
+        self.last_forward_compiled = prefill_seq is None and self._may_compile(len(decode_seqs))
+        if self.last_forward_compiled:
+            logits = self._compiled_logits(decodes, grown)  # [B, V]
+        else:
+            batch = build_batch(prefill, decodes, self.kv_block_size, self.device)
+            if capture_at is not None:
+                capture = SSMCapture(num_rows=capture_at - offset)
+                batch.ssm_capture = capture  # read by every GatedDeltaNet layer of this forward
+            logits = self._call_model(batch, rows, grown, prefill_seq, decode_seqs)  # [R, V]
         self.note_forward(len(chunk), prefill_seq.num_cached_tokens if prefill_seq is not None else 0,
                           [seq.num_cached_tokens + 1 for seq in decode_seqs], len(rows))
 
@@ -218,17 +219,14 @@ class ModelRunner:
         return (self.compiled_decode is not None and self.fault is None and self.compiled_decode.accepts(rows)
                 and not (self.mtp_keep_up and self.model.has_mtp_head))
 
-    def _compiled_decode_step(self, decodes, decode_seqs: list[SequenceState], grown) -> torch.Tensor:
-        """``mixed_forward``'s decode-only case through the compiled step; logits [B, V]."""
+    def _compiled_logits(self, decodes, grown) -> torch.Tensor:
+        """``mixed_forward``'s decode-only case through the compiled step; logits [B, V]; on an
+        error the new blocks go back."""
         try:
-            logits = self.compiled_decode(decodes)  # [B, V]
+            return self.compiled_decode(decodes)  # [B, V]
         except Exception:
             self._undo_allocation(grown)
             raise
-        self.note_forward(0, 0, [seq.num_cached_tokens + 1 for seq in decode_seqs], len(decode_seqs))
-        for seq in decode_seqs:
-            seq.num_cached_tokens += 1
-        return logits
 
     def take_compile_events(self) -> list[dict]:
         """The compiled step's compiles since the last call (``CompiledDecode.take_events``)."""
