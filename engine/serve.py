@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     writer, telemetry_error = None, None
     api = start_api(args, setup, lambda: writer.num_dropped if writer is not None else 0)
     if api is not None:
-        feed.describe_api(api.server.url)
+        feed.describe_api(api.url)
     if not args.no_telemetry:
         writer, telemetry_error = _open_telemetry(db_path, setup, args, feed)
     sched = setup.scheduler
@@ -154,14 +154,14 @@ def run(args: argparse.Namespace) -> int:
                     # Nothing can run until a lever changes, a request arrives or a stop comes.
                     wait_s = min(STALL_WAIT_S, max(0.0, feed.next_arrival_s() - elapsed))
                     if api is not None:   # an API request (or a cancel that frees room) may end the stall too
-                        api.bridge.wait(min(wait_s, IDLE_SLEEP_S))
+                        api.wait(min(wait_s, IDLE_SLEEP_S))
                     else:
                         watcher.wait_for_change(wait_s)
             elif feed.is_exhausted and api is None:
                 break
             else:
                 idle_s = min(IDLE_SLEEP_S, max(0.0, feed.next_arrival_s() - elapsed))
-                api.bridge.wait(idle_s) if api is not None else time.sleep(idle_s)
+                api.wait(idle_s) if api is not None else time.sleep(idle_s)
             if api is not None:
                 api.after_tick(sched)
     except RankFailure as exc:  # a dead or hung rank ends the whole run, never only its requests
@@ -178,8 +178,7 @@ def run(args: argparse.Namespace) -> int:
         sched.stop(**({"reason": "the run failed: an expert-parallel rank died or hung"}
                       if status == "failed" else {}))
         if api is not None:
-            api.bridge.close(sched)
-            api.server.stop()
+            api.close(sched)
         if writer is not None:
             writer.close(status)
         status_file.maybe_write(_status_fields(sched, writer, telemetry_error, status, stall), force=True)

@@ -1,27 +1,22 @@
-"""Start the API beside the serve loop: engine facts for the handlers, the bridge, metrics, uvicorn."""
+"""Start the API beside the serve loop: the frontend process, the bridge to it, the metrics."""
 from __future__ import annotations
 
 import argparse
 import itertools
 import logging
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.api.bridge import EngineBridge
-from engine.api.chat_template import ChatTemplate
+from engine.api.frontend_process import FrontendProcess
 from engine.api.metrics import EngineMetrics
-from engine.api.parse import EngineInfo
-from engine.api.server import APIServer, build_app
+from engine.api.wire import FrontendConfig, Ready
 from telemetry import events as ev
 from telemetry.cli_args import bounded_int
 
 log = logging.getLogger("chunkscope.api")
 DEFAULT_MAX_WAITING = 256
-# The tick loop releases the GIL at every torch op; while the HTTP thread holds it, the loop
-# waits up to the switch interval (5 ms by default) per op. A short interval bounds that stall.
-GIL_SWITCH_INTERVAL_S = 0.0002
 FIRST_TOKEN_EVENT = "first_token"   # the RequestEvent kind engine/scheduler/outputs.append_token emits
 
 
@@ -33,15 +28,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting", type=bounded_int(1, 1_000_000), default=DEFAULT_MAX_WAITING,
                    help="API requests beyond this many waiting get 429 with Retry-After")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API (default: none)")
+    p.add_argument("--api-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the HTTP frontend in its own process, off the tick loop's GIL (default); "
+                        "--no-api-process runs it as a thread of the engine")
 
 
 @dataclass
 class API:
     bridge: EngineBridge
     metrics: EngineMetrics
-    server: APIServer
-    info: EngineInfo
+    frontend: FrontendProcess | None
     _ids: itertools.count = field(default_factory=itertools.count)
+
+    @property
+    def url(self) -> str:
+        return self.frontend.url
 
     def new_request_id(self) -> int:
         """Request ids in arrival order across API and workload requests (serve renumbers the
@@ -60,8 +61,19 @@ class API:
         return on_event
 
     def before_tick(self, sched) -> None:
-        """A tick boundary: new requests and cancellations reach the scheduler."""
+        """A tick boundary: new requests and cancellations reach the scheduler; a dead frontend's
+        requests are cancelled and a new frontend started."""
         self.bridge.drain(sched, self.new_request_id)
+        if self.bridge.peer_lost and self.frontend is not None:
+            if self.bridge.channel is not None and self.bridge.channel.is_stuck:
+                self.frontend.kill()
+            self.bridge.attach(self.frontend.restart())
+        for notice in self.bridge.take_notices():
+            if isinstance(notice, Ready):
+                self.frontend.on_ready(notice)
+                log.info("API frontend listening again on %s", self.url)
+            else:
+                log.error("the API frontend could not start: %s", notice.message)
 
     def after_tick(self, sched) -> None:
         """Tokens and ends go out; the gauges show the pools now (also right after a cancel)."""
@@ -70,6 +82,26 @@ class API:
         self.metrics.set_state(num_running=len(sched.active) + int(sched.prefilling is not None),
                                num_waiting=len(sched.waiting), kv_blocks_used=bm.num_used,
                                kv_blocks_total=bm.num_usable, ssm_slots_used=pool.num_used)
+
+    def wait(self, timeout_s: float) -> None:
+        self.bridge.wait(timeout_s)
+
+    def close(self, sched) -> None:
+        """Shutdown (after ``sched.stop()``): open requests end, then the frontend exits."""
+        self.bridge.close(sched)
+        if self.frontend is not None:
+            self.frontend.stop()
+
+
+def frontend_config(args: argparse.Namespace, setup) -> FrontendConfig:
+    model, bm = setup.model, setup.runner.block_manager
+    return FrontendConfig(model_name=setup.model_name, checkpoint_dir=str(setup.checkpoint_dir),
+                          vocab_size=setup.runner.vocab_size, max_context=setup.scheduler.max_context,
+                          num_kv_blocks=bm.num_blocks, block_size=bm.block_size,
+                          eos_ids=frozenset(setup.scheduler.eos_ids), tool_call_start_id=model.tool_call_start_id,
+                          tool_call_end_id=model.tool_call_end_id, think_end_id=getattr(model, "think_end_id", None),
+                          eos_token_id=getattr(model, "eos_token_id", None), host=args.api_host, port=args.api_port,
+                          api_key=args.api_key, max_waiting=args.max_waiting)
 
 
 def start_api(args: argparse.Namespace, setup, dropped) -> API | None:
@@ -80,19 +112,10 @@ def start_api(args: argparse.Namespace, setup, dropped) -> API | None:
         raise ValueError(f"--max-waiting must be >= 1, got {args.max_waiting}")
     if setup.tokenizer is None:
         raise ValueError(f"--api-port: the checkpoint {setup.checkpoint_dir} has no tokenizer.json to read text with")
-    model, bm = setup.model, setup.runner.block_manager
-    template = ChatTemplate.for_checkpoint(setup.checkpoint_dir)
-    info = EngineInfo(model_name=setup.model_name, vocab_size=setup.runner.vocab_size,
-                      max_context=setup.scheduler.max_context, num_kv_blocks=bm.num_blocks,
-                      block_size=bm.block_size, tokenizer=setup.tokenizer, chat_template=template,
-                      has_tool_call_token=model.tool_call_start_id is not None,
-                      eos_ids=frozenset(setup.scheduler.eos_ids), grammars=setup.scheduler.grammars,
-                      tool_call_start_id=model.tool_call_start_id, tool_call_end_id=model.tool_call_end_id)
-    bridge = EngineBridge(max_waiting=args.max_waiting)
+    frontend = FrontendProcess(frontend_config(args, setup), in_process=not args.api_process)
     metrics = EngineMetrics(setup.model_name, dropped)
-    server = APIServer(build_app(info, bridge, metrics, args.api_key), args.api_host, args.api_port)
-    server.start()
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    log.info("API listening on %s (chat template: %s)", server.url, template.origin)
-    print(f"[engine] OpenAI-compatible API on {server.url}/v1", flush=True)
-    return API(bridge, metrics, server, info)
+    bridge = EngineBridge(frontend.start(), lambda: list(metrics.registry.collect()))
+    log.info("API listening on %s (%s, chat template: %s)", frontend.url,
+             f"frontend process {frontend.pid}" if args.api_process else "frontend thread", frontend.chat_template)
+    print(f"[engine] OpenAI-compatible API on {frontend.url}/v1", flush=True)
+    return API(bridge, metrics, frontend)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from engine.api.bridge import Ended, Tokens
+from engine.api.wire import Ended, Tokens
 from engine.api.output_parse import TOOL_START, parse_reply, split_reasoning
 from engine.api.parse import EngineInfo, EngineRequest
 from engine.api.text_stream import TextStream

@@ -1,4 +1,4 @@
-"""The HTTP server: a Starlette app run by uvicorn in its own thread, beside the tick loop.
+"""The HTTP app: a Starlette app, run by uvicorn in the API frontend process (``frontend.py``).
 
 Handlers validate and map a body (``parse.py``), submit it through the bridge, then await
 the request's outbox: a JSON response at the end, or server-sent events as tokens arrive.
@@ -9,23 +9,22 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import threading
-import time
 
-import uvicorn
+from prometheus_client import generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from engine.api.bridge import EngineBridge, Ended, Outbox, QueueFull, Tokens
 from engine.api.errors import TYPE_AUTH, TYPE_NOT_FOUND, TYPE_RATE, TYPE_SERVER, APIError
-from engine.api.metrics import CONTENT_TYPE, EngineMetrics
+from engine.api.frontend_bridge import EngineGone, FrontendBridge, QueueFull
+from engine.api.metrics import CONTENT_TYPE
 from engine.api.parse import MAX_BODY_BYTES, EngineInfo, EngineRequest, chat_request, completion_request, validate
 from engine.api.protocol import ChatCompletionRequest, CompletionRequest
 from engine.api.replies import ChatReply, CompletionReply
 from engine.api.sse import EventStream
+from engine.api.wire import Ended, Tokens
 from telemetry import events as ev
 
 log = logging.getLogger("chunkscope.api")
@@ -38,7 +37,7 @@ _END_STATUS = {ev.REQ_ERROR: (500, TYPE_SERVER), ev.REQ_PREEMPTED: (503, TYPE_SE
                ev.REQ_REJECTED: (400, "invalid_request_error"), ev.REQ_CANCELLED: (503, TYPE_SERVER)}
 
 
-def build_app(info: EngineInfo, bridge: EngineBridge, metrics: EngineMetrics, api_key: str | None = None) -> Starlette:
+def build_app(info: EngineInfo, bridge: FrontendBridge, api_key: str | None = None) -> Starlette:
     async def read_body(request: Request) -> bytes:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
@@ -66,7 +65,11 @@ def build_app(info: EngineInfo, bridge: EngineBridge, metrics: EngineMetrics, ap
 
     async def metrics_route(request: Request) -> Response:
         check_key(request)
-        return Response(metrics.exposition(), media_type=CONTENT_TYPE)
+        try:
+            families = await bridge.metrics_families()
+        except (EngineGone, asyncio.TimeoutError) as exc:
+            raise APIError(503, f"the engine did not answer: {exc or 'timeout'}", type=TYPE_SERVER) from None
+        return Response(generate_latest(_Families(families)), media_type=CONTENT_TYPE)
 
     async def completions(request: Request) -> Response:
         check_key(request)
@@ -79,23 +82,24 @@ def build_app(info: EngineInfo, bridge: EngineBridge, metrics: EngineMetrics, ap
         return await _serve(request, engine_request, ChatReply(info, engine_request))
 
     async def _serve(request: Request, engine_request: EngineRequest, reply) -> Response:
-        outbox = Outbox(asyncio.get_running_loop())
         try:
-            handle = bridge.submit(engine_request.prompt_tokens, engine_request.sampling,
-                                   engine_request.features, outbox, engine_request.grammar)
+            handle, outbox = bridge.submit(engine_request.prompt_tokens, engine_request.sampling,
+                                           engine_request.features, engine_request.grammar)
         except QueueFull as exc:
             raise APIError(429, str(exc), type=TYPE_RATE, code="too_many_waiting",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except EngineGone as exc:
+            raise APIError(503, str(exc), type=TYPE_SERVER, code="engine_gone") from None
         if engine_request.stream:
             return EventStream(_events(handle, outbox, reply, engine_request.include_usage),
-                               on_gone=lambda: outbox.queue.put_nowait(GONE))
+                               on_gone=lambda: outbox.put_nowait(GONE))
         return await _whole(request, handle, outbox, reply)
 
-    async def _whole(request: Request, handle: int, outbox: Outbox, reply) -> Response:
+    async def _whole(request: Request, handle: int, outbox: asyncio.Queue, reply) -> Response:
         disconnect = asyncio.ensure_future(_client_gone(request))
         try:
             while True:
-                get = asyncio.ensure_future(outbox.queue.get())
+                get = asyncio.ensure_future(outbox.get())
                 done, _ = await asyncio.wait({get, disconnect}, return_when=asyncio.FIRST_COMPLETED)
                 if get not in done:
                     get.cancel()
@@ -112,11 +116,11 @@ def build_app(info: EngineInfo, bridge: EngineBridge, metrics: EngineMetrics, ap
         finally:
             disconnect.cancel()
 
-    async def _events(handle: int, outbox: Outbox, reply, include_usage: bool):
+    async def _events(handle: int, outbox: asyncio.Queue, reply, include_usage: bool):
         is_over = False
         try:
             while not is_over:
-                item = _merged(await outbox.queue.get(), outbox.queue)
+                item = _merged(await outbox.get(), outbox)
                 if item is GONE:
                     break
                 if isinstance(item, Tokens):
@@ -175,33 +179,11 @@ def _ended_error(item: Ended) -> APIError:
     return APIError(status, f"request {item.status}: {item.error}", type=kind, code=item.status)
 
 
-class APIServer:
-    """uvicorn serving the app from a daemon thread; ``start`` returns once it listens."""
+class _Families:
+    """The engine's metric families as a collector ``generate_latest`` renders (here, not on the engine)."""
 
-    def __init__(self, app: Starlette, host: str, port: int) -> None:
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=2)
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, name="chunkscope-api", daemon=True)
-        self.host = host
-        self.port = port
+    def __init__(self, families: list) -> None:
+        self._families = families
 
-    def start(self, timeout_s: float = 30.0) -> None:
-        self._thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise ValueError(f"--api-port: the API server could not listen on {self.host}:{self.port} "
-                                 "(in use, or not an address of this machine?)")
-            time.sleep(0.01)
-        sockets = [s for server in self._server.servers for s in server.sockets]
-        if sockets:
-            self.port = sockets[0].getsockname()[1]
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=5)
+    def collect(self):
+        return iter(self._families)

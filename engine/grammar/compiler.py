@@ -17,13 +17,15 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 
-from engine.grammar.matcher import GrammarState
 from engine.grammar.spec import (KIND_CHOICE, KIND_JSON_OBJECT, KIND_JSON_SCHEMA, KIND_LARK, KIND_REGEX,
                                  GrammarSpec)
+
+if TYPE_CHECKING:   # the matcher needs torch; the API frontend process compiles grammars without it
+    from engine.grammar.matcher import GrammarState
 
 CACHE_ENTRIES = 64
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
@@ -112,6 +114,7 @@ class GrammarCompiler:
         return self.submit(spec).result(timeout=timeout_s)
 
     def new_state(self, compiled: CompiledGrammar) -> GrammarState:
+        from engine.grammar.matcher import GrammarState
         return GrammarState(compiled.spec, compiled.template.deep_copy(), self.tokenizer,
                             start_after=self.think_end_id if compiled.spec.after_think else None)
 

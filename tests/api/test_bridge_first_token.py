@@ -1,19 +1,18 @@
 """A first token leaves for its client the moment the tick samples it, ahead of the other streams.
 
-The real tiny engine and scheduler, the API's event tee and bridge, and an asyncio loop in a
-thread standing in for the HTTP server (no sockets): what matters is when and in what order
-items reach the outboxes.
+The real tiny engine and scheduler, the API's event tee and the engine's bridge on one end of a
+socket pair; the test reads the other end as the frontend process would: what matters is when
+and in what order messages arrive.
 """
 from __future__ import annotations
 
-import asyncio
-import threading
+import socket
 
-import pytest
-
-from engine.api.bridge import EngineBridge, Ended, Outbox, Tokens
+from engine.api.bridge import EngineBridge
+from engine.api.channel import Channel
 from engine.api.launch import API
 from engine.api.metrics import EngineMetrics
+from engine.api.wire import Batch, Ended, Submit, Tokens, frame, unframe
 from engine.engine_setup import build_engine
 from engine.request_features import SOURCE_API, RequestFeatures
 from telemetry.levers import defaults
@@ -21,54 +20,82 @@ from telemetry.levers import defaults
 SAMPLING = {"temperature": 0.0, "max_tokens": 6, "min_tokens": 6, "seed": None}
 
 
-@pytest.fixture
-def loop():
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    yield loop
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(timeout=5)
-    loop.close()
+class Frontend:
+    """The test's end of the socket: sends ops, reads the engine's batches."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        self.sock, self.buffer = sock, bytearray()
+
+    def send(self, *ops) -> None:
+        self.sock.sendall(frame(list(ops)))
+
+    def batches(self) -> list[Batch]:
+        try:
+            while data := self.sock.recv(1 << 20):
+                self.buffer += data
+        except BlockingIOError:
+            pass
+        return unframe(self.buffer)
+
+    def items(self, handle: int) -> list:
+        return [item for batch in self.batches() for h, item in batch.items if h == handle]
 
 
-def received(loop, outbox: Outbox) -> list:
-    """What the outbox holds now (read on the loop's own thread)."""
-    async def drain():
-        items = []
-        while not outbox.queue.empty():
-            items.append(outbox.queue.get_nowait())
-        return items
-    return asyncio.run_coroutine_threadsafe(drain(), loop).result(timeout=5)
-
-
-def test_first_token_is_sent_during_the_tick_that_samples_it(loop):
+def test_first_token_is_sent_during_the_tick_that_samples_it():
     setup = build_engine("tiny", kv_blocks=64, ssm_slots=4, levers=defaults(), device="cpu")
     sched = setup.scheduler
-    api = API(EngineBridge(max_waiting=8), EngineMetrics("tiny"), server=None, info=None)
+    ours, theirs = socket.socketpair()
+    api = API(EngineBridge(Channel(ours)), EngineMetrics("tiny"), frontend=None)
     sched.attach_telemetry(api.tee(None))
-    early, late = Outbox(loop), Outbox(loop)
+    frontend = Frontend(theirs)
     features = RequestFeatures(source=SOURCE_API)
-    api.bridge.submit(list(range(40, 60)), dict(SAMPLING), features, early)
+    frontend.send(Submit(7, list(range(40, 60)), dict(SAMPLING), features))
     api.before_tick(sched)
     sent_during_tick = []
     while not sched.active:                      # prefill the first request; its token 0 comes
         sched.step()
-        sent_during_tick += received(loop, early)   # before any publish (the tick boundary)
+        sent_during_tick += frontend.items(7)    # before any publish (the tick boundary)
     assert [type(item) for item in sent_during_tick] == [Tokens]
     assert sent_during_tick[0].token_ids == sched.active[0].output_tokens[:1]
     api.bridge.publish(sched)                    # nothing new for it: token 0 is not sent twice
-    assert received(loop, early) == []
+    assert frontend.items(7) == []
 
-    api.bridge.submit(list(range(70, 90)), dict(SAMPLING), features, late)
+    frontend.send(Submit(8, list(range(70, 90)), dict(SAMPLING), features))
     api.before_tick(sched)
+    early_items, late_items = [], []
     while sched.has_work:
         sched.step()
         api.bridge.publish(sched)
-    early_items, late_items = received(loop, early), received(loop, late)
+        for batch in frontend.batches():         # one message per tick: both streams' news together
+            early_items += [item for h, item in batch.items if h == 7]
+            late_items += [item for h, item in batch.items if h == 8]
+            assert batch.num_drained == 2
     for items, start in ((early_items, 1), (late_items, 0)):
         tokens = [t for item in items if isinstance(item, Tokens) for t in item.token_ids]
         assert isinstance(items[-1], Ended) and items[-1].output_len == 6
         assert len(tokens) == 6 - start            # every token exactly once, then the end
     done = {r.request_id: r for r in sched.done}
     assert [t for item in late_items[:-1] for t in item.token_ids] == done[1].output_tokens
+
+
+def test_a_frontend_that_dies_has_its_requests_cancelled_and_pools_freed():
+    setup = build_engine("tiny", kv_blocks=64, ssm_slots=4, levers=defaults(), device="cpu")
+    sched = setup.scheduler
+    ours, theirs = socket.socketpair()
+    api = API(EngineBridge(Channel(ours)), EngineMetrics("tiny"), frontend=None)
+    sched.attach_telemetry(api.tee(None))
+    frontend = Frontend(theirs)
+    sampling = dict(SAMPLING, max_tokens=40, min_tokens=40)
+    frontend.send(Submit(0, list(range(40, 60)), sampling, RequestFeatures(source=SOURCE_API)),
+                  Submit(1, list(range(60, 80)), sampling, RequestFeatures(source=SOURCE_API)))
+    api.before_tick(sched)
+    for _ in range(4):
+        sched.step()
+        api.after_tick(sched)
+    assert sched.runner.ssm_pool.num_used > 0
+    theirs.close()                               # the frontend process is gone
+    api.before_tick(sched)
+    assert api.bridge.peer_lost and not sched.has_work
+    assert sorted(r.status for r in sched.done) == ["cancelled", "cancelled"]
+    assert sched.runner.ssm_pool.num_used == 0 and sched.runner.block_manager.num_used == 0

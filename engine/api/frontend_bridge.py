@@ -1,0 +1,110 @@
+"""The frontend's side of the bridge: handlers submit and cancel, the engine's messages reach them.
+
+Runs on the frontend's event loop only. Everything a handler sends in one loop turn leaves as
+one message; each ``Batch`` from the engine is handed out to the requests' queues at once.
+When the engine goes away every open request ends with an error (503) and new ones are refused.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from engine.api.wire import Batch, Cancel, Ended, MetricsQuery, Submit, frame
+from engine.request_features import RequestFeatures
+from telemetry import events as ev
+
+ENGINE_GONE = "the engine process is gone"
+METRICS_TIMEOUT_S = 10.0
+
+
+class QueueFull(Exception):
+    """More requests wait than ``--max-waiting`` allows."""
+
+
+class EngineGone(Exception):
+    """The engine process has exited: nothing can be served."""
+
+
+class FrontendBridge:
+    def __init__(self, *, max_waiting: int) -> None:
+        self.max_waiting = max_waiting
+        self.num_waiting = 0            # the scheduler's waiting queue, as of the engine's last message
+        self._num_submitted = 0
+        self._num_drained = 0           # submissions the engine has taken (the rest are on their way)
+        self._outboxes: dict[int, asyncio.Queue] = {}
+        self._next_handle = 0
+        self._pending: list[Any] = []
+        self._write = None
+        self._queries: dict[int, asyncio.Future] = {}
+        self._next_query = 0
+        self.is_engine_gone = False
+
+    def connect(self, write) -> None:
+        """``write(bytes)`` sends to the engine (a transport's write: buffered, never blocks)."""
+        self._write = write
+
+    # ---- handlers ---------------------------------------------------------------------
+    def submit(self, prompt_tokens: list[int], sampling: dict, features: RequestFeatures,
+               grammar: dict | None = None) -> tuple[int, asyncio.Queue]:
+        """Send a request to the engine; returns its handle and the queue its progress arrives in."""
+        if self.is_engine_gone:
+            raise EngineGone(ENGINE_GONE)
+        in_flight = self._num_submitted - self._num_drained
+        if self.num_waiting + in_flight >= self.max_waiting:
+            raise QueueFull(f"{self.num_waiting + in_flight} requests are waiting (--max-waiting {self.max_waiting})")
+        handle, self._next_handle = self._next_handle, self._next_handle + 1
+        self._outboxes[handle] = outbox = asyncio.Queue()
+        self._num_submitted += 1
+        self._send(Submit(handle, prompt_tokens, sampling, features, grammar))
+        return handle, outbox
+
+    def cancel(self, handle: int) -> None:
+        if self._outboxes.pop(handle, None) is not None and not self.is_engine_gone:
+            self._send(Cancel(handle))
+
+    async def metrics_families(self) -> list:
+        """The engine's metric families (its counters and histograms), asked for at its next tick boundary."""
+        if self.is_engine_gone:
+            raise EngineGone(ENGINE_GONE)
+        query_id, self._next_query = self._next_query, self._next_query + 1
+        self._queries[query_id] = answer = asyncio.get_running_loop().create_future()
+        self._send(MetricsQuery(query_id))
+        try:
+            return await asyncio.wait_for(answer, METRICS_TIMEOUT_S)
+        finally:
+            self._queries.pop(query_id, None)
+
+    def _send(self, op: Any) -> None:
+        self._pending.append(op)
+        if len(self._pending) == 1:   # the first op of this loop turn: flush once the turn's handlers ran
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        ops, self._pending = self._pending, []
+        if ops and self._write is not None and not self.is_engine_gone:
+            self._write(frame(ops))
+
+    # ---- engine messages --------------------------------------------------------------
+    def on_batch(self, batch: Batch) -> None:
+        self.num_waiting, self._num_drained = batch.num_waiting, batch.num_drained
+        outboxes = self._outboxes
+        for handle, item in batch.items:
+            outbox = outboxes.get(handle)
+            if outbox is not None:
+                outbox.put_nowait(item)
+                if type(item) is Ended:
+                    del outboxes[handle]
+        for query_id, families in batch.metrics.items():
+            answer = self._queries.get(query_id)
+            if answer is not None and not answer.done():
+                answer.set_result(families)
+
+    def on_engine_gone(self) -> None:
+        """Every open request ends with an error; the /metrics queries fail."""
+        self.is_engine_gone = True
+        for outbox in self._outboxes.values():
+            outbox.put_nowait(Ended(ev.REQ_CANCELLED, "cancelled", ENGINE_GONE, 0, 0, None))
+        self._outboxes.clear()
+        for answer in self._queries.values():
+            if not answer.done():
+                answer.set_exception(EngineGone(ENGINE_GONE))
