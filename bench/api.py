@@ -12,16 +12,18 @@ every token is one server-sent event) arriving at the same times:
   drive the API through ``httpx`` and the official ``openai`` client.)
 - in-process: ``--workload bundle:workload.jsonl`` with those arrivals; TTFT and finish times
   come from the run's telemetry store (first_token_ns - arrival_ns).
+- API (thread), with ``--thread-side``: the API side again with ``--no-api-process`` (the HTTP
+  server as a thread of the engine, sharing its GIL), to show what the frontend process buys.
 
 Printed: each round as it ends, with the machine's load average (1 min) then; then the
 medians of interleaved rounds: output tokens/s over first arrival .. last finish and TTFT p50
 on both sides (in-process TTFT counts from when a request was due, as the client's clock
 starts when it sends), the throughput ratio (API / in-process, target >= 0.9), the TTFT the
-API adds (target <= 5 ms), and the CPU seconds of the engine process and of the client: on a
-machine with fewer free cores than engine + HTTP thread + clients need, the wall-clock ratio
-measures CPU share, and tokens per engine CPU-second isolates what the API costs.
+API adds (target <= 5 ms), and the CPU seconds of the engine (with its frontend process) and
+of the client: on a machine with fewer free cores than engine + frontend + clients need, the
+wall-clock ratio measures CPU share, and tokens per engine CPU-second isolates what the API costs.
 
-    python bench/api.py [--clients 64] [--max-tokens 64] [--rate 24] [--rounds 3] [--seed 0]
+    python bench/api.py [--clients 64] [--max-tokens 64] [--rate 24] [--rounds 3] [--seed 0] [--thread-side]
 """
 from __future__ import annotations
 
@@ -150,10 +152,10 @@ async def drive_api(url: str, specs: list[dict]) -> dict:
     return out
 
 
-def api_side(args, specs: list[dict], run_dir: Path) -> dict:
+def api_side(args, specs: list[dict], run_dir: Path, *mode: str) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = serve(run_dir, args, "--workload", "none", "--api-port", str(port))
+    proc = serve(run_dir, args, "--workload", "none", "--api-port", str(port), *mode)
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -211,31 +213,40 @@ def main() -> int:
                              "queue on 2 cores, so TTFT measures the path, not the backlog)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per side (medians are printed)")
+    parser.add_argument("--thread-side", action="store_true",
+                        help="also run the API with --no-api-process (the HTTP server as a thread of the engine)")
     args = parser.parse_args()
     if not 1 <= args.clients <= 256:
         parser.error("--clients must be in [1, 256]")
     specs = arrivals(args)
     print(f"# bench/api.py on {cpu_model()} ({os.cpu_count()} CPUs, load average {load()} at start): "
           f"{args.clients} streaming clients, {args.max_tokens} tokens each, arrivals at {args.rate}/s, tiny model")
-    sides: dict[str, list[dict]] = {"in-process": [], "API (HTTP)": []}
+    runs = [("in-process", in_process_side), ("API (process)", api_side)]
+    if args.thread_side:
+        runs.append(("API (thread)", lambda *a: api_side(*a, "--no-api-process")))
+    sides: dict[str, list[dict]] = {name: [] for name, _ in runs}
     with tempfile.TemporaryDirectory(prefix="bench-api-") as tmp:
         for round_ in range(args.rounds):   # interleaved: the neighbours' load hits both sides alike
-            for name, run_side in (("in-process", in_process_side), ("API (HTTP)", api_side)):
-                run_dir = Path(tmp) / f"{name.split()[0]}-{round_}"
+            for index, (name, run_side) in enumerate(runs):
+                run_dir = Path(tmp) / f"side{index}-{round_}"
                 run_dir.mkdir()
                 side = run_side(args, specs, run_dir)
                 sides[name].append(side)
-                print(f"round {round_ + 1} {name:<12} {side['tokens_s']:>8.1f} out tok/s  TTFT p50 "
+                print(f"round {round_ + 1} {name:<13} {side['tokens_s']:>8.1f} out tok/s  TTFT p50 "
                       f"{side['ttft_p50_ms']:>8.2f} ms  (load average {load()})", flush=True)
     med = {name: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for name, runs in sides.items()}
-    inproc, api = med["in-process"], med["API (HTTP)"]
+    inproc, api = med["in-process"], med["API (process)"]
     ratio = api["tokens_s"] / inproc["tokens_s"]
     added = api["ttft_p50_ms"] - inproc["ttft_p50_ms"]
     print(f"medians of {args.rounds} interleaved rounds (load average {load()} at the end)")
-    print(f"{'side':<12} {'out tok/s':>10} {'TTFT p50 ms':>12} {'span s':>8} {'engine CPU s':>13} {'client CPU s':>13}")
+    print(f"{'side':<13} {'out tok/s':>10} {'TTFT p50 ms':>12} {'span s':>8} {'engine CPU s':>13} {'client CPU s':>13}")
     for name, side in med.items():
-        print(f"{name:<12} {side['tokens_s']:>10.1f} {side['ttft_p50_ms']:>12.2f} {side['span_s']:>8.2f} "
+        print(f"{name:<13} {side['tokens_s']:>10.1f} {side['ttft_p50_ms']:>12.2f} {side['span_s']:>8.2f} "
               f"{side['engine_cpu_s']:>13.2f} {side['client_cpu_s']:>13.2f}")
+    if "API (thread)" in med:
+        thread = med["API (thread)"]
+        print(f"API as a thread of the engine (--no-api-process): ratio {thread['tokens_s'] / inproc['tokens_s']:.3f}, "
+              f"added TTFT p50 {thread['ttft_p50_ms'] - inproc['ttft_p50_ms']:.2f} ms")
     print(f"throughput ratio API / in-process = {ratio:.3f} (target >= 0.9): {'PASS' if ratio >= 0.9 else 'FAIL'}")
     print(f"added TTFT p50 = {added:.2f} ms (target <= 5 ms): {'PASS' if added <= 5.0 else 'FAIL'}")
     cpu_ratio = inproc["engine_cpu_s"] / api["engine_cpu_s"]
