@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.api.channel import Channel
-from engine.api.wire import Batch, Cancel, Ended, MetricsQuery, Submit, Tokens
+from engine.api.wire import Batch, Cancel, MetricsQuery, Submit
 from engine.request_features import CLIENT_DISCONNECTED
 from telemetry import events as ev
 
@@ -110,46 +110,41 @@ class EngineBridge:
         tracked = self._tracked.get(request_id)
         if tracked is None or tracked.num_sent > 0 or self.channel is None:
             return
-        self.channel.send(Batch([(tracked.handle, self._new_tokens(tracked))], *self._counts(sched_waiting=None)))
-
-    def _counts(self, sched_waiting: int | None) -> tuple[int, int]:
-        waiting = self._sent_counts[0] if sched_waiting is None else sched_waiting
-        return max(waiting, 0), self._num_drained
+        self.channel.send(Batch([self._new_tokens(tracked)], [], max(self._sent_counts[0], 0), self._num_drained))
 
     def publish(self, sched) -> None:
         """Send each API request's new tokens and its end, the queue snapshot and /metrics answers,
         as one message (a tick boundary)."""
         if self.channel is None or self.peer_lost:
             return
-        ended, first, out = [], [], []
+        first, more, ended, done = [], [], [], []
         for request_id, tracked in self._tracked.items():
             request = tracked.request
             if len(request.output_tokens) > tracked.num_sent:
-                (first if tracked.num_sent == 0 else out).append((tracked.handle, self._new_tokens(tracked)))
+                (first if tracked.num_sent == 0 else more).append(self._new_tokens(tracked))
             if request.finished_ns is not None:
-                out.append((tracked.handle, Ended(request.status, request.finish_reason, request.error,
-                                                  request.prompt_len, tracked.num_sent, request.first_token_rules)))
-                ended.append(request_id)
-        counts = self._counts(len(sched.waiting))
+                ended.append((tracked.handle, request.status, request.finish_reason, request.error,
+                              request.prompt_len, tracked.num_sent, request.first_token_rules))
+                done.append(request_id)
+        counts = (len(sched.waiting), self._num_drained)
         metrics = {query_id: self._collect_metrics() for query_id in self._queries} if self._queries else {}
-        if first or out or metrics or counts != self._sent_counts:
-            self.channel.send(Batch(first + out, *counts, metrics))
+        if first or more or ended or metrics or counts != self._sent_counts:
+            self.channel.send(Batch(first + more, ended, *counts, metrics))
             self._sent_counts = counts
         self._queries = []
-        for request_id in ended:
+        for request_id in done:
             self._request_id_of.pop(self._tracked.pop(request_id).handle, None)
 
     @staticmethod
-    def _new_tokens(tracked: _Tracked) -> Tokens:
+    def _new_tokens(tracked: _Tracked) -> tuple[int, list[int], list]:
         request, start = tracked.request, tracked.num_sent
         tracked.num_sent = num = len(request.output_tokens)
-        return Tokens(request.output_tokens[start:num], request.logprobs[start:num])
+        return tracked.handle, request.output_tokens[start:num], request.logprobs[start:num]
 
     def close(self, sched) -> None:
         """Shutdown (after ``sched.stop()``): every tracked request learns it ended."""
         self.publish(sched)
         if self.channel is not None and self._tracked:
-            self.channel.send(Batch([(t.handle, Ended(ev.REQ_CANCELLED, "cancelled", "engine stopped",
-                                                      t.request.prompt_len, t.num_sent, None))
-                                     for t in self._tracked.values()]))
+            self.channel.send(Batch(ended=[(t.handle, ev.REQ_CANCELLED, "cancelled", "engine stopped",
+                                            t.request.prompt_len, t.num_sent, None) for t in self._tracked.values()]))
         self._tracked.clear()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from engine.api.wire import Batch, Cancel, Ended, MetricsQuery, Submit, frame
+from engine.api.wire import Batch, Cancel, Ended, MetricsQuery, Submit, Tokens, frame
 from engine.request_features import RequestFeatures
 from telemetry import events as ev
 
@@ -88,12 +88,14 @@ class FrontendBridge:
     def on_batch(self, batch: Batch) -> None:
         self.num_waiting, self._num_drained = batch.num_waiting, batch.num_drained
         outboxes = self._outboxes
-        for handle, item in batch.items:
+        for handle, token_ids, logprobs in batch.tokens:
             outbox = outboxes.get(handle)
             if outbox is not None:
-                outbox.put_nowait(item)
-                if type(item) is Ended:
-                    del outboxes[handle]
+                outbox.put_nowait(Tokens(token_ids, logprobs))
+        for handle, *fields in batch.ended:
+            outbox = outboxes.pop(handle, None)
+            if outbox is not None:
+                outbox.put_nowait(Ended(*fields))
         for query_id, families in batch.metrics.items():
             answer = self._queries.get(query_id)
             if answer is not None and not answer.done():

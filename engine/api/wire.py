@@ -98,9 +98,13 @@ class MetricsQuery:
 
 @dataclass
 class Batch:
-    """Engine -> frontend at a tick boundary (or mid-tick with first tokens only)."""
+    """Engine -> frontend at a tick boundary (or mid-tick with first tokens only).
 
-    items: list[tuple[int, Tokens | Ended]] = field(default_factory=list)   # (handle, item), first tokens first
+    Plain tuples rather than ``Tokens`` / ``Ended`` objects: pickling 64 streams' tuples costs
+    the tick loop ~25 us, the same as dataclasses ~140 us. The frontend builds the objects."""
+
+    tokens: list[tuple[int, list[int], list]] = field(default_factory=list)   # (handle, ids, logprobs), first tokens first
+    ended: list[tuple] = field(default_factory=list)    # (handle, *Ended's fields), after every stream's tokens
     num_waiting: int = 0          # the scheduler's waiting queue now
     num_drained: int = 0          # submissions the engine has taken so far (the rest are in flight)
     metrics: dict[int, list[Any]] = field(default_factory=dict)             # query id -> metric families

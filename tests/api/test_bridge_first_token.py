@@ -39,7 +39,13 @@ class Frontend:
         return unframe(self.buffer)
 
     def items(self, handle: int) -> list:
-        return [item for batch in self.batches() for h, item in batch.items if h == handle]
+        return [item for batch in self.batches() for h, item in items_of(batch) if h == handle]
+
+
+def items_of(batch: Batch) -> list[tuple[int, Tokens | Ended]]:
+    """A batch's (handle, item) pairs in the order the frontend hands them out."""
+    return ([(h, Tokens(ids, lps)) for h, ids, lps in batch.tokens] +
+            [(h, Ended(*fields)) for h, *fields in batch.ended])
 
 
 def test_first_token_is_sent_during_the_tick_that_samples_it():
@@ -68,8 +74,8 @@ def test_first_token_is_sent_during_the_tick_that_samples_it():
         sched.step()
         api.bridge.publish(sched)
         for batch in frontend.batches():         # one message per tick: both streams' news together
-            early_items += [item for h, item in batch.items if h == 7]
-            late_items += [item for h, item in batch.items if h == 8]
+            early_items += [item for h, item in items_of(batch) if h == 7]
+            late_items += [item for h, item in items_of(batch) if h == 8]
             assert batch.num_drained == 2
     for items, start in ((early_items, 1), (late_items, 0)):
         tokens = [t for item in items if isinstance(item, Tokens) for t in item.token_ids]
