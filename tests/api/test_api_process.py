@@ -132,3 +132,9 @@ def test_thread_mode_serves_the_same_api(tmp_path):
     finally:
         status, stderr = stop(engine)
     assert status == 0, stderr
+
+
+def test_frontend_modules_import_without_torch():
+    code = ("import sys, engine.api.frontend, engine.grammar.compiler; "
+            "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2]).returncode == 0
