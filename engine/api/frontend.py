@@ -25,7 +25,7 @@ from engine.api.chat_template import ChatTemplate
 from engine.api.frontend_bridge import FrontendBridge
 from engine.api.parse import EngineInfo
 from engine.api.server import build_app
-from engine.api.wire import HEADER, Failed, FrontendConfig, PeerGone, Ready, frame, unframe
+from engine.api.wire import Failed, FrontendConfig, PeerGone, Ready, frame, unframe
 from engine.model.tokenizer import load_tokenizer
 
 log = logging.getLogger("chunkscope.api")
@@ -77,7 +77,7 @@ async def serve(sock: socket.socket, config: FrontendConfig) -> None:
     server = uvicorn.Server(uvicorn.Config(build_app(info, bridge, config.api_key), host=config.host,
                                            port=config.port, log_level="warning", access_log=False,
                                            lifespan="off", timeout_graceful_shutdown=STOP_GRACE_S))
-    serving = asyncio.ensure_future(server.serve())
+    serving = asyncio.ensure_future(_serve_http(server))
     while not server.started and not serving.done():
         await asyncio.sleep(0.01)
     if not server.started:
@@ -93,6 +93,13 @@ async def serve(sock: socket.socket, config: FrontendConfig) -> None:
     await serving
 
 
+async def _serve_http(server: uvicorn.Server) -> None:
+    try:
+        await server.serve()
+    except SystemExit:   # uvicorn exits when it cannot bind: ``serve`` reports that to the engine
+        pass
+
+
 async def _read_engine(reader: asyncio.StreamReader, bridge: FrontendBridge) -> None:
     buffer = bytearray()
     while True:
@@ -100,8 +107,6 @@ async def _read_engine(reader: asyncio.StreamReader, bridge: FrontendBridge) -> 
         if not data:
             return
         buffer += data
-        if len(buffer) < HEADER.size:
-            continue
         try:
             batches = unframe(buffer)
         except PeerGone:

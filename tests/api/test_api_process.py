@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -138,3 +139,14 @@ def test_frontend_modules_import_without_torch():
     code = ("import sys, engine.api.frontend, engine.grammar.compiler; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2]).returncode == 0
+
+
+def test_a_port_in_use_fails_the_command_at_once(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        engine = start_serve(tmp_path, "--workload", "none", "--api-port", str(port))
+        status = engine.wait(timeout=120)
+    stderr = (tmp_path / "serve.stderr").read_text()
+    assert status == 2 and f"could not listen on 127.0.0.1:{port}" in stderr, stderr[-2000:]
