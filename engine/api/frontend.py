@@ -87,10 +87,15 @@ async def serve(sock: socket.socket, config: FrontendConfig) -> None:
         return
     port = next((s.getsockname()[1] for srv in server.servers for s in srv.sockets), config.port)
     writer.write(frame(Ready(port, info.chat_template.origin)))
-    await _read_engine(reader, bridge)
+    reading = asyncio.ensure_future(_read_engine(reader, bridge))
+    # Until the engine goes, or uvicorn stops on its own (a signal): either way this process ends,
+    # and the engine, seeing the socket close, cancels what it held for us and starts a new one.
+    await asyncio.wait({reading, serving}, return_when=asyncio.FIRST_COMPLETED)
     bridge.on_engine_gone()
     server.should_exit = True
     await serving
+    reading.cancel()
+    writer.close()
 
 
 async def _serve_http(server: uvicorn.Server) -> None:
