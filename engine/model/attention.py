@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.cache.kv_store import KVStore
-from engine.kernels import paged_attention
+from engine.kernels import custom_ops, paged_attention
 from engine.model.batch import ForwardBatch
 from engine.model.config import ModelConfig
 from engine.model.layers import FusedLinear, PartialRotary, ZeroCenteredRMSNorm
@@ -59,6 +59,13 @@ class GatedAttention(nn.Module):
         q = kv.scale_query(self.layer_id, q)  # InnerQ's key normalization, folded into the query
         k = rotary.apply(self.k_norm(k.view(tokens, self.num_kv_heads, self.head_dim)), cos, sin)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if torch.compiler.is_compiling() and batch.prefill is None and type(kv) is KVStore:
+            # The compiled decode step: the K/V write and the attention as one custom op on the store.
+            out = custom_ops.paged_decode_attention_traced(q, k, v, kv.keys[self.layer_id], kv.values[self.layer_id],
+                                                           batch.kv_slots, batch.decode.block_tables,
+                                                           batch.decode.context_lens, gate)  # [B, H * D]
+            if out is not None:
+                return self.fused_o(out) if self.fused_o is not None else self.o_proj(out)
         kv.write(self.layer_id, batch.kv_slots, k, v)
 
         outputs = []  # gated [rows, H * D]: prefill rows, then decode rows
