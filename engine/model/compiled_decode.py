@@ -112,7 +112,12 @@ class CompiledDecode:
         # checking those cost ~0.3 ms a step, a tenth of a tiny b32 step. What they guard is fixed
         # once the engine is built; a CUDA graph mode keeps dynamo's full set (mode and options exclude
         # each other).
-        options = None if settings.mode is not None else {"guard_filter_fn": step_tensor_guards}
+        # Inductor's size / stride asserts on every buffer (~50 a step) are off for the same reason.
+        options = None
+        if settings.mode is None:
+            options = {"guard_filter_fn": step_tensor_guards}
+            if settings.backend == "inductor":
+                options.update(size_asserts=False, alignment_asserts=False)
         self._compiled = torch.compile(self._decode, backend=settings.backend, mode=settings.mode,
                                        options=options, dynamic=False)
         self.buckets_run: set[int] = set()  # buckets this step has run (a compile for one of them is a recompile)
