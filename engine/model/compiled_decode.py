@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import types
 from dataclasses import dataclass
 
 import torch
@@ -78,6 +79,14 @@ def use_persistent_cache(cache_dir: os.PathLike | str) -> None:
     os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
 
 
+def _own_code(method):
+    """``method`` rebound over a copy of its code object: dynamo keeps graphs and guards per code
+    object, so each ``CompiledDecode`` gets a cache of its own instead of sharing its class's."""
+    fn = method.__func__
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    return types.MethodType(copy, method.__self__)
+
+
 def step_tensor_guards(guard_entries) -> list[bool]:
     """Dynamo's guard filter: keep the tensor guards (TENSOR_MATCH) of everything but parameters."""
     return [entry.guard_type == "TENSOR_MATCH" and not isinstance(entry.value, torch.nn.Parameter)
@@ -110,15 +119,17 @@ class CompiledDecode:
         # Guards on the step's tensors only (shapes, dtypes, strides: the bucket and the width), not on
         # the ~550 others dynamo adds for the Python objects the trace read (modules, flags, dicts):
         # checking those cost ~0.3 ms a step, a tenth of a tiny b32 step. What they guard is fixed
-        # once the engine is built; a CUDA graph mode keeps dynamo's full set (mode and options exclude
-        # each other).
+        # once the engine is built (the kernel switches included: flip them before building a step),
+        # and each step compiles its own copy of the code, so graphs traced for another model, store
+        # or pool are never candidates. A CUDA graph mode keeps dynamo's full set (mode and options
+        # exclude each other).
         # Inductor's size / stride asserts on every buffer (~50 a step) are off for the same reason.
         options = None
         if settings.mode is None:
             options = {"guard_filter_fn": step_tensor_guards}
             if settings.backend == "inductor":
                 options.update(size_asserts=False, alignment_asserts=False)
-        self._compiled = torch.compile(self._decode, backend=settings.backend, mode=settings.mode,
+        self._compiled = torch.compile(_own_code(self._decode), backend=settings.backend, mode=settings.mode,
                                        options=options, dynamic=False)
         self.buckets_run: set[int] = set()  # buckets this step has run (a compile for one of them is a recompile)
         self.num_graphs = 0

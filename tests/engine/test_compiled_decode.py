@@ -168,3 +168,13 @@ def test_a_recompile_is_counted_and_flagged(tiny):
     step([], bucket=1)
     events = step.take_events()
     assert [e["recompile"] for e in events] == [True] and events[0]["num_recompiles"] == step.num_recompiles == 1
+
+
+def test_each_step_has_its_own_graphs_despite_tensor_only_guards(tiny):
+    """Guards keep tensor metadata only, so two runners over same-shaped tensors would reuse one graph
+    (with the first one's Python constants baked in) if they shared a cache: each compiles its own."""
+    first = ModelRunner(tiny, num_kv_blocks=16, num_ssm_slots=2, compile=CompileSettings("eager", buckets=(1,)))
+    first.compiled_decode([], bucket=1)
+    second = ModelRunner(tiny, num_kv_blocks=16, num_ssm_slots=2, compile=CompileSettings("eager", buckets=(1,)))
+    second.compiled_decode([], bucket=1)
+    assert first.compiled_decode.num_graphs == second.compiled_decode.num_graphs == 1
