@@ -49,13 +49,11 @@ def _paged_decode_attention(q: torch.Tensor, new_keys: torch.Tensor, new_values:
                             context_lens: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """Write new_keys / new_values [B, Hkv, D] at flat ``kv_slots`` [B] of the store keys / values
     [N, block, Hkv, D], then each row's gated attention over its context -> [B, H * D]."""
-    kv_heads, head_dim = keys.shape[2:]
-    keys.view(-1, kv_heads, head_dim).index_copy_(0, kv_slots, new_keys)
-    values.view(-1, kv_heads, head_dim).index_copy_(0, kv_slots, new_values)
-    out = paged_attention.decode(q, keys, values, block_tables, context_lens.contiguous(), gate)
+    out = paged_attention.decode(q, keys, values, block_tables, context_lens, gate, new_kv=(new_keys, new_values, kv_slots))
     if out is None:  # strides the trace-time check did not foresee: the kernel's own layout
         out = paged_attention.decode(q.contiguous(), keys, values, block_tables.contiguous(),
-                                     context_lens.contiguous(), gate.contiguous())
+                                     context_lens.contiguous(), gate.contiguous(),
+                                     new_kv=(new_keys.contiguous(), new_values.contiguous(), kv_slots.contiguous()))
     if out is None:
         raise RuntimeError("chunkscope::paged_decode_attention: the native kernel is unavailable here")
     return out

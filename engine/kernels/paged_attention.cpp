@@ -120,19 +120,27 @@ void gate_row(float* o, const float* gate, int64_t n) {
 
 }  // namespace
 
+// The new K/V of the batch's rows, written into the store before attending (null: already written).
+struct NewKV {
+    const float *keys, *values;       // [B, Hkv, D], D contiguous
+    int64_t ldk_row, ldk_head, ldv_row, ldv_head;
+    const int64_t* slots;             // [B] flat store slots, block * block_size + offset
+};
+
 // q: [B, H, D] (strides ldq_row, ldq_head; D contiguous); keys, values: the layer's store
 // [num_blocks, block_size, Hkv, D] contiguous; block_tables: [B, W] (row stride ld_table);
 // context_lens: [B] tokens each row sees (1 .. W * block_size); gate: [B, H, D] (strides
-// ldg_row, ldg_head) or null for no gate; out: [B, H * D] contiguous. Query head h reads KV head
-// h / (H / Hkv). scale multiplies the scores (1 / sqrt(D) for SDPA's default). Returns 0, or -1
-// (nothing written) when a context length is outside 1 .. W * block_size or a block id it reaches
-// is outside 0 .. num_blocks - 1: a bad table is an error, never a read out of bounds.
-extern "C" int paged_decode_attention_f32(const float* q, int64_t ldq_row, int64_t ldq_head, const float* keys,
-                                          const float* values, int64_t num_blocks, int64_t block_size,
+// ldg_row, ldg_head) or null for no gate; new_kv: the rows' own K/V to write first, or null;
+// out: [B, H * D] contiguous. Query head h reads KV head h / (H / Hkv). scale multiplies the
+// scores (1 / sqrt(D) for SDPA's default). Returns 0, or -1 (nothing written) when a context
+// length is outside 1 .. W * block_size, a block id it reaches is outside 0 .. num_blocks - 1 or
+// a new K/V slot is outside the store: a bad table is an error, never an access out of bounds.
+extern "C" int paged_decode_attention_f32(const float* q, int64_t ldq_row, int64_t ldq_head, float* keys,
+                                          float* values, int64_t num_blocks, int64_t block_size,
                                           const int64_t* block_tables, int64_t ld_table, int64_t table_width,
                                           const int64_t* context_lens, const float* gate, int64_t ldg_row,
-                                          int64_t ldg_head, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
-                                          int64_t head_dim, float scale, float* out) {
+                                          int64_t ldg_head, const NewKV* new_kv, int64_t batch, int64_t num_heads,
+                                          int64_t num_kv_heads, int64_t head_dim, float scale, float* out) {
     for (int64_t b = 0; b < batch; ++b) {
         const int64_t context = context_lens[b];
         if (context < 1 || context > table_width * block_size) return -1;
@@ -140,6 +148,19 @@ extern "C" int paged_decode_attention_f32(const float* q, int64_t ldq_row, int64
             const int64_t block = block_tables[b * ld_table + i];
             if (block < 0 || block >= num_blocks) return -1;
         }
+        if (new_kv != nullptr && (new_kv->slots[b] < 0 || new_kv->slots[b] >= num_blocks * block_size)) return -1;
+    }
+    if (new_kv != nullptr) {
+        for (int64_t b = 0; b < batch; ++b)
+            for (int64_t kh = 0; kh < num_kv_heads; ++kh) {
+                const int64_t at = (new_kv->slots[b] * num_kv_heads + kh) * head_dim;
+                const float* k = new_kv->keys + b * new_kv->ldk_row + kh * new_kv->ldk_head;
+                const float* v = new_kv->values + b * new_kv->ldv_row + kh * new_kv->ldv_head;
+                for (int64_t d = 0; d < head_dim; ++d) {
+                    keys[at + d] = k[d];
+                    values[at + d] = v[d];
+                }
+            }
     }
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;  // floats between positions in a block

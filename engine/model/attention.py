@@ -59,12 +59,17 @@ class GatedAttention(nn.Module):
         q = kv.scale_query(self.layer_id, q)  # InnerQ's key normalization, folded into the query
         k = rotary.apply(self.k_norm(k.view(tokens, self.num_kv_heads, self.head_dim)), cos, sin)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if torch.compiler.is_compiling() and batch.prefill is None and type(kv) is KVStore:
-            # The compiled decode step: the K/V write and the attention as one custom op on the store.
-            out = custom_ops.paged_decode_attention_traced(q, k, v, kv.keys[self.layer_id], kv.values[self.layer_id],
-                                                           batch.kv_slots, batch.decode.block_tables,
-                                                           batch.decode.context_lens, gate)  # [B, H * D]
-            if out is not None:
+        if batch.prefill is None and type(kv) is KVStore:
+            # Decode rows only, full-precision store: the K/V write and the attention in one native call
+            # (a custom op in the compiled decode step).
+            keys, values, group = kv.keys[self.layer_id], kv.values[self.layer_id], batch.decode
+            if torch.compiler.is_compiling():
+                out = custom_ops.paged_decode_attention_traced(q, k, v, keys, values, batch.kv_slots,
+                                                               group.block_tables, group.context_lens, gate)
+            else:
+                out = paged_attention.decode(q, keys, values, group.block_tables, group.context_lens, gate,
+                                             new_kv=(k, v, batch.kv_slots))
+            if out is not None:  # [B, H * D]
                 return self.fused_o(out) if self.fused_o is not None else self.o_proj(out)
         kv.write(self.layer_id, batch.kv_slots, k, v)
 

@@ -52,6 +52,30 @@ def test_kernel_equals_gather_and_sdpa(heads, kv_heads, dim, lens):
 
 
 @needs_kernel
+def test_kernel_writes_the_rows_new_kv_before_attending():
+    """new_kv: each row's own K/V lands at its slot (strided inputs, as the layer's projections give them)."""
+    gen = torch.Generator().manual_seed(7)
+    keys, values = _store(12, 16, 2, 32, gen)
+    tables, lens = torch.tensor([[3, 9], [0, 11], [5, 2]]), torch.tensor([17, 32, 1])
+    slots = torch.tensor([9 * 16 + 0, 11 * 16 + 15, 5 * 16 + 0])  # each row's last position
+    qkv = torch.randn(3, 4 * 64 + 2 * 64, generator=gen)  # [q | gate | k | v] of a fused projection, strided
+    q_gate, new_k, new_v = qkv.split([4 * 64, 64, 64], dim=-1)
+    q, gate = q_gate.view(3, 4, 64).split(32, dim=-1)
+    new_k, new_v = new_k.view(3, 2, 32), new_v.view(3, 2, 32)
+    expected_keys, expected_values = keys.clone(), values.clone()
+    expected_keys.view(-1, 2, 32)[slots] = new_k
+    expected_values.view(-1, 2, 32)[slots] = new_v
+    expected = _reference(q, expected_keys, expected_values, tables, lens, gate)
+    got = paged_attention.decode(q, keys, values, tables, lens, gate, new_kv=(new_k, new_v, slots))
+    assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-6)
+    before = keys.clone()
+    with pytest.raises(ValueError, match="slot"):
+        paged_attention.decode(q, keys, values, tables, lens, gate, new_kv=(new_k, new_v, torch.tensor([0, 1, 12 * 16])))
+    assert torch.equal(keys, before)  # a bad slot writes nothing
+
+
+@needs_kernel
 def test_kernel_rejects_tables_it_would_read_out_of_bounds():
     keys, values = _store(4, 16, 2, 32, torch.Generator().manual_seed(0))
     q = torch.randn(2, 4, 32)
