@@ -9,6 +9,10 @@ dynamic (one graph serves every context length). Padding rows decode token 0 at 
 into a scratch SSM slot and a scratch KV block that no sequence owns, so they touch nothing
 real; each output row depends on its own row only, so the real rows are unchanged.
 
+The native decode kernels (the GDN step, the paged attention) enter the graph as torch custom
+ops (``engine/kernels/custom_ops.py``), so the graph has no break and writes the SSM pool and
+the KV store in place; the layers pick the op while dynamo traces.
+
 Every compile is counted (``torch._dynamo`` frame counters around each call) and handed to
 the scheduler as an event (``take_events``): a graph compiled for a bucket that already had
 one is a recompile, which the shapes above are built never to cause per tick.
@@ -54,8 +58,9 @@ def resolve_compile(choice: str, device: torch.device | str) -> CompileSettings 
 
     auto compiles on a GPU only (CUDA graphs take the launch overhead out of every step at
     little compile cost). On CPU it stays eager: inductor compiled the tiny model's decode for
-    minutes on the 2-core EPYC this was measured on (bench/compile_decode.py, README), for a
-    1.2-1.5x faster step; ``--compile on`` opts in where a server runs long enough to pay that.
+    minutes on the 2-core EPYC this was measured on when cold (bench/compile_decode.py, README;
+    20-85 s for three buckets from a warm cache), for a 1.3-1.5x faster tiny step than eager;
+    ``--compile on`` opts in where a server runs long enough to pay that.
     """
     if choice not in COMPILE_CHOICES:
         raise ValueError(f"--compile: {choice!r} is not one of {', '.join(COMPILE_CHOICES)}")
