@@ -178,3 +178,13 @@ def test_each_step_has_its_own_graphs_despite_tensor_only_guards(tiny):
     second = ModelRunner(tiny, num_kv_blocks=16, num_ssm_slots=2, compile=CompileSettings("eager", buckets=(1,)))
     second.compiled_decode([], bucket=1)
     assert first.compiled_decode.num_graphs == second.compiled_decode.num_graphs == 1
+
+
+def test_without_native_kernels_the_graph_traces_the_torch_paths(tiny, monkeypatch):
+    """No native kernels (no compiler, CHUNKSCOPE_NATIVE_KERNELS=0): the custom ops are not used, the
+    graph traces the gather + SDPA and tensor GDN paths, and greedy tokens still equal eager."""
+    from engine.kernels import native
+    monkeypatch.setattr(native, "ENABLED", False)
+    eager, _, _ = _greedy_decode(tiny, None, steps=8)
+    compiled, runner, flags = _greedy_decode(tiny, CHEAP, steps=8)
+    assert compiled == eager and all(flags) and runner.compiled_decode.num_recompiles == 0
