@@ -3,11 +3,11 @@
 The kernels are ctypes calls on ``data_ptr()``s, which dynamo cannot trace: under
 ``torch.compile`` the Python entry points step aside (they return None) and the graph used to
 take the torch paths instead: a gathered dense K/V per attention layer, and the tensor GDN
-step whose pool write-back inductor turned into copies. Registered as ops
-(``torch.library.custom_op``) with a fake implementation giving the output's shape, they become
-single nodes of the graph; the in-place pool and store writes are declared in ``mutates_args``
-and made on the pools themselves (the whole tensors, indexed inside the op), so functionalization
-has nothing to copy back.
+step whose pool write-back inductor turned into copies. Registered as ops with a fake
+implementation giving the output's shape, they become single nodes of the graph; the in-place
+pool and store writes are declared in the schemas (``Tensor(a!)``) and made on the pools and the
+store themselves (the whole tensors, indexed inside the op), so functionalization has nothing
+to copy back.
 
 They are defined through ``torch.library.Library`` with a CPU kernel only, not through
 ``torch.library.custom_op``: the latter's Python wrapper layers (autograd, ADInplaceOrView,
@@ -49,7 +49,8 @@ def _paged_decode_attention(q: torch.Tensor, new_keys: torch.Tensor, new_values:
                             context_lens: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """Write new_keys / new_values [B, Hkv, D] at flat ``kv_slots`` [B] of the store keys / values
     [N, block, Hkv, D], then each row's gated attention over its context -> [B, H * D]."""
-    out = paged_attention.decode(q, keys, values, block_tables, context_lens, gate, new_kv=(new_keys, new_values, kv_slots))
+    out = paged_attention.decode(q, keys, values, block_tables, context_lens, gate,
+                                 new_kv=(new_keys, new_values, kv_slots))
     if out is None:  # strides the trace-time check did not foresee: the kernel's own layout
         out = paged_attention.decode(q.contiguous(), keys, values, block_tables.contiguous(),
                                      context_lens.contiguous(), gate.contiguous(),
@@ -107,8 +108,8 @@ def _gdn_decode_gated(mixed: torch.Tensor, conv_pool: torch.Tensor, rec_pool: to
 
 
 @torch.library.register_fake(f"{_NS}::gdn_decode_gated", lib=_LIB)
-def _gdn_decode_gated_fake(mixed, conv_pool, rec_pool, layer, conv_weight, slots, a, b, neg_rate, dt_bias, z, norm_weight, eps,
-      num_k_heads, key_dim, value_dim):
+def _gdn_decode_gated_fake(mixed, conv_pool, rec_pool, layer, conv_weight, slots, a, b, neg_rate, dt_bias, z,
+                           norm_weight, eps, num_k_heads, key_dim, value_dim):
     return mixed.new_empty(mixed.shape[0], rec_pool.shape[2] * value_dim)
 
 

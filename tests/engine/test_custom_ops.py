@@ -19,7 +19,8 @@ def _attention_inputs(seed: int = 0, batch: int = 3):
     values = torch.randn(9, block, kv_heads, dim, generator=gen)
     tables = torch.tensor([[1, 5, 0], [7, 0, 0], [2, 3, 4]][:batch])
     lens = torch.tensor([20, 9, 40][:batch])
-    slots = torch.tensor([b[(n - 1) // block] * block + (n - 1) % block for b, n in zip(tables.tolist(), lens.tolist())])
+    last = [(row[(n - 1) // block], (n - 1) % block) for row, n in zip(tables.tolist(), lens.tolist())]
+    slots = torch.tensor([blk * block + offset for blk, offset in last])  # each row's newest position
     q_gate = torch.randn(batch, heads, 2 * dim, generator=gen)
     q, gate = q_gate.split(dim, dim=-1)
     new_k, new_v = torch.randn(batch, kv_heads, dim, generator=gen), torch.randn(batch, kv_heads, dim, generator=gen)

@@ -71,7 +71,8 @@ def test_kernel_writes_the_rows_new_kv_before_attending():
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-6)
     before = keys.clone()
     with pytest.raises(ValueError, match="slot"):
-        paged_attention.decode(q, keys, values, tables, lens, gate, new_kv=(new_k, new_v, torch.tensor([0, 1, 12 * 16])))
+        bad_slots = torch.tensor([0, 1, 12 * 16])  # one past the store
+        paged_attention.decode(q, keys, values, tables, lens, gate, new_kv=(new_k, new_v, bad_slots))
     assert torch.equal(keys, before)  # a bad slot writes nothing
 
 
