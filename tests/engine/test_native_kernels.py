@@ -28,37 +28,59 @@ def one_thread():
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 16, 21, 32])
-@pytest.mark.parametrize("out_cols, inner", [(3072, 576), (7, 13), (250, 1536)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 8, 13, 16, 21, 32])
+@pytest.mark.parametrize("out_cols, inner", [(3072, 576), (7, 13), (250, 1536), (33, 1)])
 def test_skinny_gemm_equals_library_gemm(rows, out_cols, inner):
     gen = torch.Generator().manual_seed(rows * 1000 + out_cols)
-    weight = torch.randn(out_cols, inner, generator=gen)
+    weight = torch.randn(out_cols, inner + 3, generator=gen)[:, :inner]  # a row stride wider than the rows
     bias = torch.randn(out_cols, generator=gen)
-    x = torch.randn(rows, inner + 5, generator=gen)[:, 2:2 + inner]  # a row stride wider than the rows
-    got = skinny_gemm.linear(x, weight, bias)
+    x = torch.randn(rows, inner + 5, generator=gen)[:, 2:2 + inner]
+    packed = skinny_gemm.pack(weight)
+    assert packed.shape == (-(-out_cols // 16), inner, 16)
+    got = skinny_gemm.linear(x, packed, out_cols, bias)
     assert got is not None and got.shape == (rows, out_cols)
     # Summation order differs from MKL's: equal to float32 rounding of a length-K dot product.
-    assert torch.allclose(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5 * inner ** 0.5)
-    assert torch.allclose(skinny_gemm.linear(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-5 * inner ** 0.5)
+    tolerance = dict(rtol=1e-5, atol=1e-5 * inner ** 0.5)
+    assert torch.allclose(got, F.linear(x, weight, bias), **tolerance)
+    assert torch.allclose(skinny_gemm.linear(x, packed, out_cols), F.linear(x, weight), **tolerance)
 
 
+@needs_kernels
+def test_skinny_gemm_packing_pads_columns_with_zeros():
+    weight = torch.arange(20 * 3, dtype=torch.float32).reshape(20, 3)
+    packed = skinny_gemm.pack(weight)  # [2, 3, 16]: column j of panel p is weight row 16 p + j
+    assert torch.equal(packed[0].t(), weight[:16])
+    assert torch.equal(packed[1, :, :4].t(), weight[16:]) and not packed[1, :, 4:].any()
+
+
+@needs_kernels
 def test_skinny_gemm_declines_what_it_does_not_cover():
     weight = torch.randn(32, 16)
-    assert skinny_gemm.linear(torch.randn(skinny_gemm.MAX_ROWS + 1, 16), weight) is None
-    assert skinny_gemm.linear(torch.randn(4, 16, dtype=torch.bfloat16), weight.bfloat16()) is None
-    assert skinny_gemm.linear(torch.randn(16, 4).t(), weight) is None  # inner stride != 1
+    packed = skinny_gemm.pack(weight)
+    assert skinny_gemm.linear(torch.randn(skinny_gemm.MAX_ROWS + 1, 16), packed, 32) is None
+    assert skinny_gemm.linear(torch.randn(4, 16, dtype=torch.bfloat16), packed, 32) is None
+    assert skinny_gemm.linear(torch.randn(16, 4).t(), packed, 32) is None  # inner stride != 1
+    assert skinny_gemm.pack(weight.bfloat16()) is None and skinny_gemm.pack(weight.t()) is None
     torch.set_num_threads(2)
-    assert skinny_gemm.linear(torch.randn(4, 16), weight) is None  # the libraries split across threads
+    assert skinny_gemm.linear(torch.randn(4, 16), packed, 32) is None  # the libraries split across threads
     torch.set_num_threads(1)
     with pytest.raises(ValueError, match="do not fit"):
-        skinny_gemm.linear(torch.randn(4, 16), weight, torch.randn(3))
+        skinny_gemm.linear(torch.randn(4, 16), packed, 32, torch.randn(3))
+    with pytest.raises(ValueError, match="do not fit"):
+        skinny_gemm.linear(torch.randn(4, 16), packed, 48)  # more columns than the packed copy holds
+    with pytest.raises(ValueError, match="do not fit"):
+        skinny_gemm.linear(torch.randn(4, 15), packed, 32)
 
 
 @needs_kernels
 def test_fused_linear_routes_decode_rows_to_the_kernel(monkeypatch):
     monkeypatch.setattr(layers, "PACKED_MIN_WEIGHT", 0)
-    linear = layers.FusedLinear(torch.randn(96, 40))
+    weight = torch.randn(96, 40)
+    linear = layers.FusedLinear(weight)
     assert linear.skinny and linear.runs_native(torch.randn(8, 40))
+    assert linear.skinny_packed.shape == (6, 40, 16)  # one packed copy, whatever the row counts
+    x = torch.randn(8, 40)
+    assert torch.allclose(linear(x), F.linear(x, weight), rtol=1e-5, atol=1e-4)
     assert not linear.runs_native(torch.randn(skinny_gemm.MAX_ROWS + 1, 40))
     monkeypatch.setattr(native, "ENABLED", False)
     assert not linear.runs_native(torch.randn(8, 40))
