@@ -68,13 +68,15 @@ class FusedLinear:
     On other devices or dtypes it is a plain ``F.linear``.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = True):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = True,
+                 skinny: bool = True):
         self.weight = weight.detach()
         self.bias = None if bias is None else bias.detach()
         # Decode-sized rows go to the native skinny GEMM (engine/kernels) for large fp32 weights,
         # on its own packed copy (one per weight, whatever the row count): it streams the weight
         # once per call, faster than either library at 1-32 rows. None where it cannot build.
-        self.skinny_packed = (skinny_gemm.pack(self.weight) if self.weight.numel() >= PACKED_MIN_WEIGHT
+        # ``skinny=False`` for weights that only ever see prefill rows (no copy is made for them).
+        self.skinny_packed = (skinny_gemm.pack(self.weight) if skinny and self.weight.numel() >= PACKED_MIN_WEIGHT
                               else None)  # [ceil(out / 16), in, 16]
         self.skinny = self.skinny_packed is not None
         self.packed = None
@@ -198,7 +200,8 @@ class SwiGLU(nn.Module):
         self.fused_gate_up = FusedLinear(weight, prepack=False)
         self.fused_down = FusedLinear(self.down_proj.weight)
         gate, up = weight.split(self.intermediate_size)  # views: the packed copies are the only new memory
-        self.packed_gate, self.packed_up = FusedLinear(gate), FusedLinear(up)
+        # Prefill-only halves: decode rows run the fused weight's skinny GEMM (one copy, not three).
+        self.packed_gate, self.packed_up = FusedLinear(gate, skinny=False), FusedLinear(up, skinny=False)
         if self.packed_gate.packed is None or self.packed_up.packed is None or self.fused_down.packed is None:
             self.packed_gate = self.packed_up = None
 
