@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import gdn_step, native, skinny_gemm
+from engine.kernels import gdn_step, native, rms_norm, skinny_gemm
 from engine.model import layers
 from engine.model.gdn import GatedDeltaNet
 from engine.model.loader import load_model
@@ -16,7 +16,7 @@ from tests.engine.test_decode_fastpaths import _run
 
 needs_kernels = pytest.mark.skipif(
     native.why_unavailable(native._cpu_flags(), "g++") is not None or not skinny_gemm.available()
-    or not gdn_step.available(), reason="no AVX2/FMA CPU or no C++ compiler here")
+    or not gdn_step.available() or not rms_norm.available(), reason="no AVX2/FMA CPU or no C++ compiler here")
 
 
 @pytest.fixture(autouse=True)
@@ -85,6 +85,37 @@ def test_fused_linear_routes_decode_rows_to_the_kernel(monkeypatch):
     monkeypatch.setattr(native, "ENABLED", False)
     assert not linear.runs_native(torch.randn(8, 40))
     assert not layers.FusedLinear(torch.randn(96, 40).double()).skinny
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", [(1, 576), (8, 576), (3, 7), (32, 9, 64), (5, 1, 13)])
+def test_rms_norm_kernel_equals_torch_norm(shape):
+    gen = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(*shape, generator=gen) * 3
+    scale = torch.randn(shape[-1], generator=gen)
+    got = rms_norm.rms_norm(x, scale, 1e-6)
+    assert got is not None and got.shape == x.shape and got.is_contiguous()
+    assert torch.allclose(got, layers._rms_normalize(x, 1e-6) * scale, rtol=1e-5, atol=1e-6)
+
+
+@needs_kernels
+def test_rms_norm_kernel_reads_strided_heads():
+    """q and k arrive as [T, H, D] views into the fused projection's output, rows wider than H * D."""
+    projections = torch.randn(6, 3 * 64 + 40)
+    heads = projections[:, 8:8 + 3 * 64].view(6, 3, 64)
+    scale = torch.randn(64)
+    assert torch.allclose(rms_norm.rms_norm(heads, scale, 1e-6), layers._rms_normalize(heads, 1e-6) * scale,
+                          rtol=1e-5, atol=1e-6)
+
+
+def test_rms_norm_kernel_declines_what_it_does_not_cover(monkeypatch):
+    scale = torch.ones(16)
+    assert rms_norm.rms_norm(torch.randn(4, 16).bfloat16(), scale, 1e-6) is None
+    assert rms_norm.rms_norm(torch.randn(16, 4).t(), scale, 1e-6) is None  # last dim strided
+    assert rms_norm.rms_norm(torch.randn(4, 8), scale, 1e-6) is None  # scale of another width
+    assert rms_norm.rms_norm(torch.randn(rms_norm.MAX_ELEMENTS // 16 + 1, 16), scale, 1e-6) is None  # prefill-sized
+    monkeypatch.setattr(native, "ENABLED", False)
+    assert rms_norm.rms_norm(torch.randn(4, 16), scale, 1e-6) is None
 
 
 def _layer_and_pools(num_slots: int, seed: int):
