@@ -8,8 +8,8 @@ each kind: MKL sgemm, MKL packed sgemm, oneDNN's prepacked copy and the native s
 (engine/kernels/skinny_gemm.cpp, on its own packed copy), interleaved round by round, and
 prints GB/s of weight streamed (best of rounds, thread CPU time). Part 2 (``--step``) times the
 whole SmolLM-size decode step, interleaved step by step, four ways: MKL sgemm only (no decode
-prepacking, no native kernels), oneDNN decode prepacking, + the fused native GDN step, + the
-native skinny GEMM (the engine's default where the kernels build).
+prepacking, no native kernels), oneDNN decode prepacking, + the fused native GDN step and RMSNorm,
++ the native skinny GEMM (the engine's default where the kernels build).
 """
 from __future__ import annotations
 
@@ -60,11 +60,11 @@ def gemm_kinds(batches: list[int], rounds: int) -> None:
                                                for kind, s in best.items()))
 
 
-# (decode prepacking, native GDN step, native skinny GEMM) per configuration of part 2.
+# (decode prepacking, native GDN step and RMSNorm, native skinny GEMM) per configuration of part 2.
 STEP_CONFIGS = {
     "sgemm": (False, False, False),
     "onednn": (True, False, False),
-    "+gdn kernel": (True, True, False),
+    "+gdn/norm kernels": (True, True, False),
     "+skinny gemm": (True, True, True),
 }
 

@@ -57,9 +57,12 @@ def applies(x: torch.Tensor) -> bool:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """weight [N, K] float32 CPU (unit inner stride) -> its packed copy [ceil(N / 16), K, 16], or None here."""
+    """weight [N, K] float32 CPU (unit inner stride) -> its packed copy [ceil(N / 16), K, 16], or None here.
+
+    None too while the kernel is off (CHUNKSCOPE_SKINNY_GEMM=0, CHUNKSCOPE_NATIVE_KERNELS=0): no copy is made.
+    """
     if not (weight.dim() == 2 and weight.dtype == torch.float32 and weight.device.type == "cpu"
-            and weight.stride(1) == 1 and native.enabled() and available()):
+            and weight.stride(1) == 1 and ENABLED and native.enabled() and available()):
         return None
     out_cols, inner = weight.shape
     packed = weight.new_empty(-(-out_cols // PANEL_COLS), inner, PANEL_COLS)
