@@ -164,6 +164,9 @@ def test_gdn_gated_kernel_equals_torch_gates_and_norm(slots, slot_range):
     projected = torch.randn(batch, layer.conv_dim + layer.value_dim + 2 * heads + 3) * 2
     rows, z, b, a = projected[:, :-3].split([layer.conv_dim, layer.value_dim, heads, heads], dim=-1)
     a[0, 0] = 25.0  # softplus's linear branch (torch: threshold 20)
+    # The vectorised SiLU (of the conv output and of the gate z) at the ends of exp's float range.
+    z[0, :8] = torch.tensor([-200.0, -89.0, -88.0, -20.0, 0.0, 20.0, 88.0, 200.0])
+    rows[0, :2 * layer.num_k_heads * layer.head_k_dim] *= 60  # q, k: l2-normalised after the SiLU
     neg_rate, dt_bias = -layer.A_log.exp(), layer.dt_bias.detach()
     index = torch.tensor(slots)
     conv_native, rec_native = conv.clone(), rec.clone()
