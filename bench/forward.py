@@ -12,9 +12,10 @@ the same GEMM kernels. ``--json`` prints the same as one object on stdout.
 
 The machine is shared, so every measurement is interleaved: each of our forwards is preceded by
 a probe of the machine rates (one square GEMM, one read pass: ``RateProbe``) and followed by
-the transformers forward of the same kind. Times and the transformers ratio are medians. The
-roofline share takes the same statistic on both sides: the best of the N probes (the highest
-rates the machine showed, so the bar is never lowered) against the best of our N forwards;
+the transformers forward of the same kind. Times and the transformers ratio are medians. Each
+row's roofline share takes the same statistic on both sides: the best of the N probes taken
+right before its N forwards (the highest rates the machine showed then, so the bar is never
+lowered) against the best of those forwards;
 the median-against-median share and the spread of both are printed beside it, so one noisy
 probe (read bandwidth moved 10.5 -> 15.4 GB/s between two runs a minute apart) cannot move
 the share by itself.
@@ -186,7 +187,7 @@ def bench_model(name: str, dtype: torch.dtype, rounds: int, steps: int, with_hf:
     if theirs:
         theirs.decode_step(1)
     times: dict[str, list[float]] = {}
-    rates: list[MachineRates] = []
+    rates: dict[str, list[MachineRates]] = {}  # per forward kind: the probes taken right before its forwards
     probe = RateProbe(dtype, clock=CLOCK)
     linears = decode_linears(model)
 
@@ -195,7 +196,7 @@ def bench_model(name: str, dtype: torch.dtype, rounds: int, steps: int, with_hf:
 
     def ours_sample(key: str, forward) -> None:
         """A rate probe right before each of our forwards: both see the same moment of the machine."""
-        rates.append(probe.sample())
+        rates.setdefault(key, []).append(probe.sample())
         record(key, forward())
 
     for _ in range(rounds):
@@ -210,15 +211,14 @@ def bench_model(name: str, dtype: torch.dtype, rounds: int, steps: int, with_hf:
             record(f"gemms b{batch}", gemm_floor_seconds(linears, batch, dtype))
     median = {key: statistics.median(values) for key, values in times.items()}
     best = {key: min(values) for key, values in times.items()}
-    # The same statistic on both sides of the share: the best of N probes against the best of N
-    # forwards (and, beside it, median against median). Best-of rates are the highest the machine
-    # showed, so the roofline is never a lowered bar; one slow probe cannot move it.
-    rate = best_rates(rates)
-    median_rate = MachineRates(statistics.median(r.flops_per_s for r in rates),
-                               statistics.median(r.bytes_per_s for r in rates))
-    flops = sorted(r.flops_per_s / 1e9 for r in rates)
-    reads = sorted(r.bytes_per_s / 1e9 for r in rates)
-    print(f"[{name}] machine over {len(rates)} probes interleaved with our forwards: square GEMM best "
+    # The same statistic on both sides of each row's share: the best of the N probes taken right
+    # before that row's N forwards against the best of those forwards (and, beside it, median
+    # against median). Best-of rates are the highest the machine showed, so the roofline is never
+    # a lowered bar, and one slow probe cannot move it.
+    every = [r for samples in rates.values() for r in samples]
+    flops = sorted(r.flops_per_s / 1e9 for r in every)
+    reads = sorted(r.bytes_per_s / 1e9 for r in every)
+    print(f"[{name}] machine over {len(every)} probes interleaved with our forwards: square GEMM best "
           f"{flops[-1]:.1f} GFLOP/s (median {statistics.median(flops):.1f}, min {flops[0]:.1f}), read best "
           f"{reads[-1]:.1f} GB/s (median {statistics.median(reads):.1f}, min {reads[0]:.1f})")
     # Decode rows sit after DECODE_CONTEXT prompt tokens plus the steps already taken.
@@ -229,6 +229,9 @@ def bench_model(name: str, dtype: torch.dtype, rounds: int, steps: int, with_hf:
     for row, batch, key, cost in kinds:
         ours_s, theirs_s = median[f"ours {key}"], median.get(f"theirs {key}")
         ours_best = best[f"ours {key}"]
+        rate = best_rates(rates[f"ours {key}"])
+        median_rate = MachineRates(statistics.median(r.flops_per_s for r in rates[f"ours {key}"]),
+                                   statistics.median(r.bytes_per_s for r in rates[f"ours {key}"]))
         roofline_s = rate.seconds(cost)
         bound = "compute" if cost.flops / rate.flops_per_s >= cost.bytes / rate.bytes_per_s else "memory"
         rows.append({"model": name, "row": row, "batch": batch, "ours_ms": ours_s * 1e3,
@@ -237,6 +240,7 @@ def bench_model(name: str, dtype: torch.dtype, rounds: int, steps: int, with_hf:
                      "theirs_ms": None if theirs_s is None else theirs_s * 1e3,
                      "ratio": None if theirs_s is None else theirs_s / ours_s,
                      "roofline_ms": roofline_s * 1e3, "roofline_share": roofline_s / ours_best,
+                     "gemm_gflops": rate.flops_per_s / 1e9, "read_gbs": rate.bytes_per_s / 1e9,
                      "roofline_share_median": median_rate.seconds(cost) / ours_s,
                      "theirs_roofline_share": None if theirs_s is None else roofline_s / best[f"theirs {key}"],
                      "bound": bound, "gflop": cost.flops / 1e9, "mbytes": cost.bytes / 1e6,
@@ -251,7 +255,8 @@ def bench_model(name: str, dtype: torch.dtype, rounds: int, steps: int, with_hf:
         print(f"[{name}] {label:11}: ours {r['ours_ms']:8.2f} ms (best {r['ours_best_ms']:.2f}, max "
               f"{r['ours_max_ms']:.2f})  transformers {theirs_text}  ratio {ratio_text}  "
               f"roofline {r['roofline_ms']:7.2f} ms "
-              f"({r['bound']}-bound: {r['gflop']:.2f} GFLOP, {r['mbytes']:.0f} MB)  "
+              f"({r['bound']}-bound: {r['gflop']:.2f} GFLOP, {r['mbytes']:.0f} MB; best of its probes "
+              f"{r['gemm_gflops']:.1f} GFLOP/s, {r['read_gbs']:.1f} GB/s)  "
               f"share ours {r['roofline_share']:5.1%} (median/median {r['roofline_share_median']:5.1%}) "
               f"transformers {their_share}"
               + ("" if r["gemms_only_ms"] is None else
