@@ -11,8 +11,7 @@ the engine runs them, on random inputs): the share those reach bounds any forwar
 the same GEMM kernels. ``--json`` prints the same as one object on stdout.
 
 The machine is shared, so every measurement is interleaved: each of our forwards is preceded by
-a probe of the machine rates (``RateProbe``: square GEMMs doing the forward's FLOPs and read
-passes moving its bytes, so the probe lasts about as long as the forward) and followed by
+a probe of the machine rates (one square GEMM, one read pass: ``RateProbe``) and followed by
 the transformers forward of the same kind. Times and the transformers ratio are medians. Each
 row's roofline share takes the same statistic on both sides: the best of the N probes taken
 right before its N forwards (the highest rates the machine showed then, so the bar is never
@@ -195,23 +194,18 @@ def bench_model(name: str, dtype: torch.dtype, rounds: int, steps: int, with_hf:
     def record(key: str, value: float) -> None:
         times.setdefault(key, []).append(value)
 
-    def ours_sample(key: str, forward, cost: ForwardCost) -> None:
-        """A rate probe right before each of our forwards, as long as it: both see the same stretch of the machine."""
-        rates.setdefault(key, []).append(probe.sample(like=cost))
+    def ours_sample(key: str, forward) -> None:
+        """A rate probe right before each of our forwards: both see the same moment of the machine."""
+        rates.setdefault(key, []).append(probe.sample())
         record(key, forward())
 
-    # Decode rows sit after DECODE_CONTEXT prompt tokens plus the steps already taken.
-    context = DECODE_CONTEXT + (rounds * steps) // 2 + 1
-    costs = {"prefill": forward_cost(model.config, weight_bytes, PROMPT_LEN, 0, [], 1)}
-    costs.update({f"b{batch}": decode_cost(model, batch, context, weight_bytes) for batch in BATCHES})
-
     for _ in range(rounds):
-        ours_sample("ours prefill", lambda: ours.prefill(prompt), costs["prefill"])
+        ours_sample("ours prefill", lambda: ours.prefill(prompt))
         if theirs:
             record("theirs prefill", theirs.prefill(prompt))
         for batch in BATCHES:
             for _ in range(steps):  # alternate step by step so a load spike hits both sides
-                ours_sample(f"ours b{batch}", lambda: ours.decode_step(batch), costs[f"b{batch}"])
+                ours_sample(f"ours b{batch}", lambda: ours.decode_step(batch))
                 if theirs:
                     record(f"theirs b{batch}", theirs.decode_step(batch))
             record(f"gemms b{batch}", gemm_floor_seconds(linears, batch, dtype))
@@ -227,8 +221,10 @@ def bench_model(name: str, dtype: torch.dtype, rounds: int, steps: int, with_hf:
     print(f"[{name}] machine over {len(every)} probes interleaved with our forwards: square GEMM best "
           f"{flops[-1]:.1f} GFLOP/s (median {statistics.median(flops):.1f}, min {flops[0]:.1f}), read best "
           f"{reads[-1]:.1f} GB/s (median {statistics.median(reads):.1f}, min {reads[0]:.1f})")
-    kinds = [("prefill", 1, "prefill", costs["prefill"])]
-    kinds += [("decode", batch, f"b{batch}", costs[f"b{batch}"]) for batch in BATCHES]
+    # Decode rows sit after DECODE_CONTEXT prompt tokens plus the steps already taken.
+    context = DECODE_CONTEXT + (rounds * steps) // 2 + 1
+    kinds = [("prefill", 1, "prefill", forward_cost(model.config, weight_bytes, PROMPT_LEN, 0, [], 1))]
+    kinds += [("decode", batch, f"b{batch}", decode_cost(model, batch, context, weight_bytes)) for batch in BATCHES]
     rows = []
     for row, batch, key, cost in kinds:
         ours_s, theirs_s = median[f"ours {key}"], median.get(f"theirs {key}")

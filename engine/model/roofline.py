@@ -120,20 +120,11 @@ class RateProbe:
     def _gemm(self) -> None:
         self.a @ self.b
 
-    def sample(self, like: ForwardCost | None = None) -> MachineRates:
-        """Both rates, timed with the probe's clock: one GEMM and one read pass, or as many as ``like`` needs.
-
-        With ``like`` (a forward's cost) the GEMMs together do at least its FLOPs and the read
-        passes move at least its bytes, so each rate is measured over about as long as the
-        forward takes and sees the same stretch of a shared machine's load: a 20 ms probe's best
-        of N catches quieter instants than a 150 ms forward can.
-        """
-        buffer_bytes = self.buffer.numel() * self.buffer.element_size()
-        gemms = max(1, -(-int(like.flops) // self.gemm_flops)) if like else 1
-        reads = max(1, -(-int(like.bytes) // buffer_bytes)) if like else 1
-        gemm = _timed(lambda: [self._gemm() for _ in range(gemms)], self.clock)
-        read = _timed(lambda: [self.buffer.sum() for _ in range(reads)], self.clock)
-        return MachineRates(gemms * self.gemm_flops / gemm, reads * buffer_bytes / read)
+    def sample(self) -> MachineRates:
+        """One GEMM and one read pass, timed with the probe's clock."""
+        gemm = _timed(self._gemm, self.clock)
+        read = _timed(self.buffer.sum, self.clock)
+        return MachineRates(self.gemm_flops / gemm, self.buffer.numel() * self.buffer.element_size() / read)
 
 
 def best_rates(samples: list[MachineRates]) -> MachineRates:
