@@ -5,11 +5,11 @@
 Part 1 multiplies [B, 576] inputs by 30 distinct 3072x576 fp32 weights (212 MB together, more
 than the caches hold, so each is streamed from memory as in a SmolLM-size decode step) through
 each kind: MKL sgemm, MKL packed sgemm, oneDNN's prepacked copy and the native skinny GEMM
-(engine/kernels/skinny_gemm.cpp, the weight in its own layout), interleaved round by round, and
+(engine/kernels/skinny_gemm.cpp, on its own packed copy), interleaved round by round, and
 prints GB/s of weight streamed (best of rounds, thread CPU time). Part 2 (``--step``) times the
 whole SmolLM-size decode step, interleaved step by step, four ways: MKL sgemm only (no decode
-prepacking, no native kernels), oneDNN decode prepacking, + the fused native GDN step, + the
-native skinny GEMM (the engine's default where the kernels build).
+prepacking, no native kernels), oneDNN decode prepacking, + the fused native GDN step and RMSNorm,
++ the native skinny GEMM (the engine's default where the kernels build).
 """
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ def gemm_kinds(batches: list[int], rounds: int) -> None:
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 512) for w in weights]  # the engine's hint
     total_bytes = NUM_WEIGHTS * OUT * IN * 4
     has_skinny = skinny_gemm.available()
+    skinny = [skinny_gemm.pack(w) for w in weights] if has_skinny else []
     if not has_skinny:
         print("native skinny GEMM unavailable here (see the log line): its column is left out")
     for batch in batches:
@@ -50,7 +51,7 @@ def gemm_kinds(batches: list[int], rounds: int) -> None:
             "onednn packed": lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in onednn],
         }
         if has_skinny and batch <= skinny_gemm.MAX_ROWS:
-            kinds["native skinny"] = lambda: [skinny_gemm.linear(x, w) for w in weights]
+            kinds["native skinny"] = lambda: [skinny_gemm.linear(x, p, OUT) for p in skinny]
         best: dict[str, float] = {}
         for _ in range(rounds):
             for kind, fn in kinds.items():
@@ -59,11 +60,11 @@ def gemm_kinds(batches: list[int], rounds: int) -> None:
                                                for kind, s in best.items()))
 
 
-# (decode prepacking, native GDN step, native skinny GEMM) per configuration of part 2.
+# (decode prepacking, native GDN step and RMSNorm, native skinny GEMM) per configuration of part 2.
 STEP_CONFIGS = {
     "sgemm": (False, False, False),
     "onednn": (True, False, False),
-    "+gdn kernel": (True, True, False),
+    "+gdn/norm kernels": (True, True, False),
     "+skinny gemm": (True, True, True),
 }
 

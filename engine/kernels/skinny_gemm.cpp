@@ -1,98 +1,118 @@
-// y[M, N] = x[M, K] . W[N, K]^T (+ bias[N]) for few rows M: AVX2 + FMA, float32, one thread.
+// y[M, N] = x[M, K] . W[N, K]^T (+ bias[N]) for few rows M (decode), AVX2 + FMA, float32, one thread.
 //
-// A decode GEMM has a handful of rows and a weight far larger than the caches, so the weight
-// is streamed from memory once per call and each of its elements must meet all M rows while
-// it sits in registers or L1. The weight stays in its PyTorch layout ([N, K], K contiguous;
-// no packed copy). A tile of NB weight rows x MB input rows accumulates NB * MB 8-lane dot
-// products: each weight vector loaded feeds MB FMAs, each input vector NB. Tiles walk the
-// weight rows in order, and the first input-row block of each tile prefetches the weight
-// PREFETCH_AHEAD floats ahead (the hardware prefetcher alone left the FMAs waiting: batch 8
-// streamed 5.4 GB/s without it, 7.1 GB/s with it, bench/decode_gemm.py on an AVX2 EPYC);
-// the later blocks read the same rows from L1.
+// The weight is packed once (pack_weight_f32) into panels of NR = 16 output columns, each panel
+// K-major: packed[p][k][j] = W[p * 16 + j, k], N zero-padded up to a multiple of 16. A panel is
+// one contiguous stream and each k step reads exactly one 64-byte line of it.
+//
+// Outer-product register tile of MR (<= 6) input rows x 16 columns: per k step two weight
+// vectors are loaded and each of the MR input values is broadcast against both, so 2 + MR loads
+// feed 2 * MR FMAs, and no horizontal sums. 12 accumulators + 2 weight vectors + 1 broadcast =
+// 15 ymm: no spills in the k loops (checked with g++ -S). Rows beyond 6 loop the tile over even
+// row groups (8 rows: 4 + 4) while the panel is hot in L1/L2, so the weight is read from memory
+// once per call whatever the batch. Each k step prefetches one line of the panel PREFETCH_PANELS
+// ahead, the lines spread evenly over all row groups and k steps: prefetches issued in a burst
+// (the first k/groups steps of each group) left memory idle while the later groups computed
+// (bench/decode_gemm.py, AVX2 EPYC, 30 weights of 3072x576, batch 8: 8.3 GB/s bursty, 11-12.6
+// spread; the dot-product kernel this replaced, reading W in its own layout: 7.7).
 #include <immintrin.h>
 #include <stdint.h>
 
 namespace {
 
-constexpr int NB = 3;                    // weight rows per tile (3 x 4 accumulators + 3 weight vectors + 1 input)
-constexpr int MB = 4;                    // input rows per tile
-constexpr int64_t PREFETCH_AHEAD = 4608;  // floats (18 KB: 8 rows of a 576-wide weight)
-constexpr int64_t CHUNK_ROWS = 8;        // input rows per pass over a panel (8 x 576 floats: 18 KB of L1)
-// Weight rows per panel (a multiple of NB; 120 x 576 floats: 270 KB of L2). At batch 32 the
-// panels took the kernel from 2.6 to 3.2 GB/s (oneDNN packed: 2.9-3.4).
-constexpr int64_t PANEL_ROWS = 120;
+constexpr int NR = 16;          // columns per panel (two ymm)
+constexpr int MAX_MR = 6;       // rows per register tile
+constexpr int64_t PREFETCH_PANELS = 2;  // 1 and 3-4 panels, or hints T1 / NTA: no better, within the noise
 
-inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-// One R x C tile: weight rows w[0..R) (stride ldw) against input rows x[0..C) (stride ldx).
-template <int R, int C>
-inline void tile(const float* w, int64_t ldw, const float* x, int64_t ldx, int64_t k,
-                 float* y, int64_t ldy, const float* bias, bool prefetch) {
-    __m256 acc[R][C];
-    for (int n = 0; n < R; ++n)
-        for (int m = 0; m < C; ++m) acc[n][m] = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= k; i += 8) {
-        __m256 wv[R];
-        for (int n = 0; n < R; ++n) wv[n] = _mm256_loadu_ps(w + n * ldw + i);
-        if (prefetch && (i & 15) == 0)  // one prefetch per 64-byte line
-            for (int n = 0; n < R; ++n) _mm_prefetch((const char*)(w + n * ldw + i + PREFETCH_AHEAD), _MM_HINT_T0);
-        for (int m = 0; m < C; ++m) {
-            const __m256 xv = _mm256_loadu_ps(x + m * ldx + i);
-            for (int n = 0; n < R; ++n) acc[n][m] = _mm256_fmadd_ps(wv[n], xv, acc[n][m]);
+template <int MR>
+inline void tile(const float* panel, const float* x, int64_t ldx, int64_t k, float* out, int64_t ldo,
+                 const float* prefetch, int64_t prefetch_lines, int64_t every) {
+    __m256 acc0[MR], acc1[MR];
+    for (int m = 0; m < MR; ++m) acc0[m] = acc1[m] = _mm256_setzero_ps();
+    int64_t countdown = 1;
+    for (int64_t i = 0; i < k; ++i) {
+        const __m256 w0 = _mm256_loadu_ps(panel + i * NR);
+        const __m256 w1 = _mm256_loadu_ps(panel + i * NR + 8);
+        if (prefetch_lines > 0 && --countdown == 0) {
+            countdown = every;
+            _mm_prefetch((const char*)prefetch, _MM_HINT_T0);
+            prefetch += NR;
+            --prefetch_lines;
+        }
+        for (int m = 0; m < MR; ++m) {
+            const __m256 xv = _mm256_broadcast_ss(x + m * ldx + i);
+            acc0[m] = _mm256_fmadd_ps(w0, xv, acc0[m]);
+            acc1[m] = _mm256_fmadd_ps(w1, xv, acc1[m]);
         }
     }
-    for (int n = 0; n < R; ++n) {
-        for (int m = 0; m < C; ++m) {
-            float sum = hsum(acc[n][m]);
-            for (int64_t j = i; j < k; ++j) sum += w[n * ldw + j] * x[m * ldx + j];  // K not a multiple of 8
-            y[m * ldy + n] = sum + (bias ? bias[n] : 0.0f);
-        }
+    for (int m = 0; m < MR; ++m) {
+        _mm256_storeu_ps(out + m * ldo, acc0[m]);
+        _mm256_storeu_ps(out + m * ldo + 8, acc1[m]);
     }
 }
 
-// R weight rows against every input row, MB rows at a time, then the 1-3 rows left.
-template <int R>
-inline void weight_rows(const float* w, int64_t ldw, const float* x, int64_t ldx, int64_t m_rows, int64_t k,
-                        float* y, int64_t ldy, const float* bias, bool prefetch) {
-    int64_t m = 0;
-    for (; m + MB <= m_rows; m += MB, prefetch = false)
-        tile<R, MB>(w, ldw, x + m * ldx, ldx, k, y + m * ldy, ldy, bias, prefetch);
-    x += m * ldx;
-    y += m * ldy;
-    switch (m_rows - m) {
-        case 3: tile<R, 3>(w, ldw, x, ldx, k, y, ldy, bias, prefetch); break;
-        case 2: tile<R, 2>(w, ldw, x, ldx, k, y, ldy, bias, prefetch); break;
-        case 1: tile<R, 1>(w, ldw, x, ldx, k, y, ldy, bias, prefetch); break;
-        default: break;
+inline void tile_rows(int rows, const float* panel, const float* x, int64_t ldx, int64_t k, float* out,
+                      int64_t ldo, const float* prefetch, int64_t prefetch_lines, int64_t every) {
+    switch (rows) {
+        case 6: tile<6>(panel, x, ldx, k, out, ldo, prefetch, prefetch_lines, every); break;
+        case 5: tile<5>(panel, x, ldx, k, out, ldo, prefetch, prefetch_lines, every); break;
+        case 4: tile<4>(panel, x, ldx, k, out, ldo, prefetch, prefetch_lines, every); break;
+        case 3: tile<3>(panel, x, ldx, k, out, ldo, prefetch, prefetch_lines, every); break;
+        case 2: tile<2>(panel, x, ldx, k, out, ldo, prefetch, prefetch_lines, every); break;
+        default: tile<1>(panel, x, ldx, k, out, ldo, prefetch, prefetch_lines, every); break;
     }
 }
 
 }  // namespace
 
-// x: [m_rows, k] (row stride ldx), w: [n_cols, k] (row stride ldw), bias: [n_cols] or null,
+// x: [m_rows, k] (row stride ldx), packed: [ceil(n_cols / 16), k, 16], bias: [n_cols] or null,
 // y: [m_rows, n_cols] (row stride ldy). All float32, unit stride along k and n.
-extern "C" void skinny_gemm_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, const float* bias,
-                                float* y, int64_t ldy, int64_t m_rows, int64_t n_cols, int64_t k) {
-    // Over 8 input rows the rows no longer fit L1 beside the weight tile: take them 8 at a time
-    // over a panel of weight rows that stays in L2, streaming each panel from memory once.
-    for (int64_t panel = 0; panel < n_cols; panel += PANEL_ROWS) {
-        const int64_t panel_end = panel + PANEL_ROWS < n_cols ? panel + PANEL_ROWS : n_cols;
-        for (int64_t m = 0; m < m_rows; m += CHUNK_ROWS) {
-            const int64_t rows = m_rows - m < CHUNK_ROWS ? m_rows - m : CHUNK_ROWS;
-            const float* xm = x + m * ldx;
-            float* ym = y + m * ldy;
-            const bool first = m == 0;
-            int64_t n = panel;
-            for (; n + NB <= panel_end; n += NB)
-                weight_rows<NB>(w + n * ldw, ldw, xm, ldx, rows, k, ym + n, ldy, bias ? bias + n : nullptr, first);
-            for (; n < panel_end; ++n)
-                weight_rows<1>(w + n * ldw, ldw, xm, ldx, rows, k, ym + n, ldy, bias ? bias + n : nullptr, first);
+extern "C" void packed_gemm_f32(const float* x, int64_t ldx, const float* packed, const float* bias, float* y,
+                                int64_t ldy, int64_t m_rows, int64_t n_cols, int64_t k) {
+    const int64_t panels = (n_cols + NR - 1) / NR;
+    const int64_t groups = (m_rows + MAX_MR - 1) / MAX_MR;
+    // Even row groups (8 rows: 4 + 4, not 6 + 2): the short tile is the load-bound one.
+    const int64_t base_rows = m_rows / groups, extra = m_rows % groups;
+    float edge[MAX_MR * NR];  // the last panel's tile when N is not a multiple of 16
+    for (int64_t p = 0; p < panels; ++p) {
+        const float* panel = packed + p * k * NR;
+        const int64_t n0 = p * NR, cols = n_cols - n0 < NR ? n_cols - n0 : NR;
+        const float* ahead = p + PREFETCH_PANELS < panels ? packed + (p + PREFETCH_PANELS) * k * NR : nullptr;
+        // Group g prefetches lines [g * k / groups, (g + 1) * k / groups) of the panel ahead, one every `groups` k steps.
+        int64_t m = 0;
+        for (int64_t g = 0; g < groups; ++g) {
+            const int rows = (int)(base_rows + (g < extra ? 1 : 0));
+            const int64_t first_line = g * k / groups, lines = ahead ? (g + 1) * k / groups - first_line : 0;
+            const float* pf = ahead ? ahead + first_line * NR : nullptr;
+            const float* xg = x + m * ldx;
+            if (cols == NR) {
+                float* out = y + m * ldy + n0;
+                tile_rows(rows, panel, xg, ldx, k, out, ldy, pf, lines, groups);
+                if (bias)
+                    for (int r = 0; r < rows; ++r)
+                        for (int j = 0; j < NR; ++j) out[r * ldy + j] += bias[n0 + j];
+            } else {
+                tile_rows(rows, panel, xg, ldx, k, edge, NR, pf, lines, groups);
+                for (int r = 0; r < rows; ++r)
+                    for (int j = 0; j < cols; ++j) y[(m + r) * ldy + n0 + j] = edge[r * NR + j] + (bias ? bias[n0 + j] : 0.0f);
+            }
+            m += rows;
+        }
+    }
+}
+
+// packed[p][i][j] = w[(p * 16 + j) * ldw + i] for p < ceil(n_cols / 16), zero where p * 16 + j >= n_cols.
+extern "C" void pack_weight_f32(const float* w, int64_t ldw, int64_t n_cols, int64_t k, float* packed) {
+    const int64_t panels = (n_cols + NR - 1) / NR;
+    for (int64_t p = 0; p < panels; ++p) {
+        float* panel = packed + p * k * NR;
+        for (int j = 0; j < NR; ++j) {
+            const int64_t n = p * NR + j;
+            if (n < n_cols) {
+                const float* row = w + n * ldw;
+                for (int64_t i = 0; i < k; ++i) panel[i * NR + j] = row[i];
+            } else {
+                for (int64_t i = 0; i < k; ++i) panel[i * NR + j] = 0.0f;
+            }
         }
     }
 }

@@ -1,7 +1,8 @@
-"""Decode-sized ``x @ weight^T``: the native skinny GEMM (skinny_gemm.cpp) where it applies, else None.
+"""Decode-sized ``x @ weight^T`` (skinny_gemm.cpp): ``pack`` a weight once, then ``linear`` per call.
 
-It reads the weight in its PyTorch layout, so it needs no packed copy. Single-threaded: with
-more torch threads the libraries' GEMMs split the work and the callers keep them.
+The packed copy ([ceil(N / 16), K, 16] float32, zero-padded columns) is made once per weight and
+serves every row count from 1 to MAX_ROWS, so memory does not grow with the shapes a server sees.
+Single-threaded: with more torch threads the libraries split the work and the callers keep them.
 """
 from __future__ import annotations
 
@@ -12,61 +13,77 @@ import torch
 
 from engine.kernels import native
 
-# Rows up to which it runs (bench/decode_gemm.py, AVX2 EPYC, 1 thread, 30 weights of 3072x576,
-# load average 4-5 on the 2 cores, GB/s of weight streamed, oneDNN packed vs skinny: batch 8
-# 5.6 vs 6.8, 16 4.6 vs 4.7, 32 2.9 vs 3.2; in the whole smol decode step 1.45x at batch 8).
-# Larger batches stay on oneDNN, which tiles its packed copy for them.
+PANEL_COLS = 16  # NR in skinny_gemm.cpp
+
+# Rows up to which it runs (bench/decode_gemm.py, AVX2 EPYC, 1 thread, 30 weights of 3072x576, GB/s
+# of weight streamed, best of 3, MKL packed / oneDNN packed / this kernel: batch 1 13.7 / 7.3 / 12.7,
+# batch 8 3.5 / 4.5 / 11-12.6, batch 32 2.2 / 2.7 / 4.4-5.1, i.e. ~70-80 GFLOP/s at 32 rows, the
+# core's square-GEMM rate). Larger batches stay on oneDNN, which tiles its own packed copy for them.
 MAX_ROWS = 32
 
 # Off on its own (the fused GDN step stays on) with CHUNKSCOPE_SKINNY_GEMM=0; bench/decode_gemm.py flips it.
 ENABLED = os.environ.get("CHUNKSCOPE_SKINNY_GEMM", "1") != "0"
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_fns = None
+_loaded = False
 
 
-def _function():
+def _functions():
     lib = native.load("skinny_gemm")
     if lib is None:
         return None
-    fn = lib.skinny_gemm_f32
-    fn.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64]
-    fn.restype = None
-    return fn
-
-
-def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``linear(x, weight)`` runs natively: float32 CPU, 1..MAX_ROWS rows, unit inner strides, 1 thread."""
-    if torch.compiler.is_compiling():  # first: a compiled graph traces the library GEMM, nothing of this
-        return False
-    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype == torch.float32 == weight.dtype
-            and x.device.type == "cpu" == weight.device.type and x.stride(1) == 1 and weight.stride(1) == 1
-            and torch.get_num_threads() == 1 and ENABLED and native.enabled())
-
-
-_fn = None
-_loaded = False
+    gemm, pack_fn = lib.packed_gemm_f32, lib.pack_weight_f32
+    gemm.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]
+    pack_fn.argtypes = [_PTR, _I64, _I64, _I64, _PTR]
+    gemm.restype = pack_fn.restype = None
+    return gemm, pack_fn
 
 
 def available() -> bool:
     """Whether the kernel is built and loaded (builds it on first call; False, logged once, where it cannot)."""
-    global _fn, _loaded
+    global _fns, _loaded
     if not _loaded:
-        _fn, _loaded = _function(), True
-    return _fn is not None
+        _fns, _loaded = _functions(), True
+    return _fns is not None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N], or None where the kernel does not apply here."""
-    if not (applies(x, weight) and available()):
+def applies(x: torch.Tensor) -> bool:
+    """Whether ``x`` runs natively: float32 CPU [1..MAX_ROWS, K] with unit inner stride, at 1 torch thread."""
+    if torch.compiler.is_compiling():  # first: a compiled graph traces the library GEMM, nothing of this
+        return False
+    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype == torch.float32 and x.device.type == "cpu"
+            and x.stride(1) == 1 and torch.get_num_threads() == 1 and ENABLED and native.enabled())
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """weight [N, K] float32 CPU (unit inner stride) -> its packed copy [ceil(N / 16), K, 16], or None here.
+
+    None too while the kernel is off (CHUNKSCOPE_SKINNY_GEMM=0, CHUNKSCOPE_NATIVE_KERNELS=0): no copy is made.
+    """
+    if not (weight.dim() == 2 and weight.dtype == torch.float32 and weight.device.type == "cpu"
+            and weight.stride(1) == 1 and ENABLED and native.enabled() and available()):
+        return None
+    out_cols, inner = weight.shape
+    packed = weight.new_empty(-(-out_cols // PANEL_COLS), inner, PANEL_COLS)
+    _fns[1](weight.data_ptr(), weight.stride(0), out_cols, inner, packed.data_ptr())
+    return packed
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, out_cols: int,
+           bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [M, K] @ W^T (+ bias [N]) -> [M, N] from ``packed = pack(W)``; None where the kernel does not apply."""
+    if not (applies(x) and available()):
         return None
     rows, inner = x.shape
-    out_cols = weight.shape[0]
-    if weight.shape[1] != inner or (bias is not None and bias.shape != (out_cols,)):
-        raise ValueError(f"skinny linear: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
+    if (packed.dim() != 3 or packed.shape[1:] != (inner, PANEL_COLS) or packed.shape[0] != -(-out_cols // PANEL_COLS)
+            or not packed.is_contiguous() or packed.dtype != torch.float32
+            or (bias is not None and bias.shape != (out_cols,))):
+        raise ValueError(f"skinny linear: x {tuple(x.shape)}, packed {tuple(packed.shape)} for {out_cols} columns, "
                          f"bias {None if bias is None else tuple(bias.shape)} do not fit")
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         return None
     y = x.new_empty(rows, out_cols)  # [M, N]
-    _fn(x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
-        None if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0), rows, out_cols, inner)
+    _fns[0](x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+            y.data_ptr(), y.stride(0), rows, out_cols, inner)
     return y

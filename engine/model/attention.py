@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.cache.kv_store import KVStore
+from engine.kernels import custom_ops, paged_attention
 from engine.model.batch import ForwardBatch
 from engine.model.config import ModelConfig
 from engine.model.layers import FusedLinear, PartialRotary, ZeroCenteredRMSNorm
@@ -58,18 +59,45 @@ class GatedAttention(nn.Module):
         q = kv.scale_query(self.layer_id, q)  # InnerQ's key normalization, folded into the query
         k = rotary.apply(self.k_norm(k.view(tokens, self.num_kv_heads, self.head_dim)), cos, sin)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if batch.prefill is None and type(kv) is KVStore:
+            # Decode rows only, full-precision store: the K/V write and the attention in one native call
+            # (a custom op in the compiled decode step).
+            keys, values, group = kv.keys[self.layer_id], kv.values[self.layer_id], batch.decode
+            if torch.compiler.is_compiling():
+                out = custom_ops.paged_decode_attention_traced(q, k, v, keys, values, batch.kv_slots,
+                                                               group.block_tables, group.context_lens, gate)
+            else:
+                out = paged_attention.decode(q, keys, values, group.block_tables, group.context_lens, gate,
+                                             new_kv=(k, v, batch.kv_slots))
+            if out is not None:  # [B, H * D]
+                return self.fused_o(out) if self.fused_o is not None else self.o_proj(out)
         kv.write(self.layer_id, batch.kv_slots, k, v)
 
-        outputs = []
+        outputs = []  # gated [rows, H * D]: prefill rows, then decode rows
         split = batch.num_prefill_tokens
         if batch.prefill is not None:
-            outputs.append(self._prefill_attention(q[:split], batch, kv))
+            out = self._prefill_attention(q[:split], batch, kv) * torch.sigmoid(gate[:split])  # [L, H, D]
+            outputs.append(out.reshape(split, self.num_heads * self.head_dim))
         if batch.decode is not None:
-            outputs.append(self._decode_attention(q[split:], batch, kv))
-        out = torch.cat(outputs, dim=0) if len(outputs) > 1 else outputs[0]  # [T, H, D]
-        out = out * torch.sigmoid(gate)
-        out = out.reshape(tokens, self.num_heads * self.head_dim)
+            outputs.append(self._gated_decode_attention(q[split:], gate[split:], batch, kv))
+        out = torch.cat(outputs, dim=0) if len(outputs) > 1 else outputs[0]  # [T, H * D]
         return self.fused_o(out) if self.fused_o is not None else self.o_proj(out)
+
+    def _gated_decode_attention(self, q: torch.Tensor, gate: torch.Tensor, batch: ForwardBatch,
+                                kv: KVStore) -> torch.Tensor:
+        """Decode rows q, gate [B, H, D] -> attention output times sigmoid(gate), [B, H * D].
+
+        A plain store is read in place by the native kernel (each row through its block table);
+        a quantized store, or where the kernel does not run, gathers and runs SDPA.
+        """
+        group = batch.decode
+        if type(kv) is KVStore:
+            out = paged_attention.decode(q, kv.keys[self.layer_id], kv.values[self.layer_id], group.block_tables,
+                                         group.context_lens, gate)
+            if out is not None:
+                return out
+        out = self._decode_attention(q, batch, kv) * torch.sigmoid(gate)  # [B, H, D]
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
     def _prefill_attention(self, q: torch.Tensor, batch: ForwardBatch, kv: KVStore) -> torch.Tensor:
         seg = batch.prefill

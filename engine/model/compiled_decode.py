@@ -9,6 +9,10 @@ dynamic (one graph serves every context length). Padding rows decode token 0 at 
 into a scratch SSM slot and a scratch KV block that no sequence owns, so they touch nothing
 real; each output row depends on its own row only, so the real rows are unchanged.
 
+The native decode kernels (the GDN step, the paged attention) enter the graph as torch custom
+ops (``engine/kernels/custom_ops.py``), so the graph has no break and writes the SSM pool and
+the KV store in place; the layers pick the op while dynamo traces.
+
 Every compile is counted (``torch._dynamo`` frame counters around each call) and handed to
 the scheduler as an event (``take_events``): a graph compiled for a bucket that already had
 one is a recompile, which the shapes above are built never to cause per tick.
@@ -18,10 +22,12 @@ from __future__ import annotations
 import logging
 import os
 import time
+import types
 from dataclasses import dataclass
 
 import torch
 
+from engine.kernels import custom_ops
 from engine.model.batch import DecodeGroup, ForwardBatch
 
 log = logging.getLogger("chunkscope.compile")
@@ -52,8 +58,9 @@ def resolve_compile(choice: str, device: torch.device | str) -> CompileSettings 
 
     auto compiles on a GPU only (CUDA graphs take the launch overhead out of every step at
     little compile cost). On CPU it stays eager: inductor compiled the tiny model's decode for
-    minutes on the 2-core EPYC this was measured on (bench/compile_decode.py, README), for a
-    1.2-1.5x faster step; ``--compile on`` opts in where a server runs long enough to pay that.
+    minutes on the 2-core EPYC this was measured on when cold (bench/compile_decode.py, README;
+    20-85 s for three buckets from a warm cache), for a 1.3-1.5x faster tiny step than eager;
+    ``--compile on`` opts in where a server runs long enough to pay that.
     """
     if choice not in COMPILE_CHOICES:
         raise ValueError(f"--compile: {choice!r} is not one of {', '.join(COMPILE_CHOICES)}")
@@ -77,6 +84,20 @@ def use_persistent_cache(cache_dir: os.PathLike | str) -> None:
     os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
 
 
+def _own_code(method):
+    """``method`` rebound over a copy of its code object: dynamo keeps graphs and guards per code
+    object, so each ``CompiledDecode`` gets a cache of its own instead of sharing its class's."""
+    fn = method.__func__
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    return types.MethodType(copy, method.__self__)
+
+
+def step_tensor_guards(guard_entries) -> list[bool]:
+    """Dynamo's guard filter: keep the tensor guards (TENSOR_MATCH) of everything but parameters."""
+    return [entry.guard_type == "TENSOR_MATCH" and not isinstance(entry.value, torch.nn.Parameter)
+            for entry in guard_entries]
+
+
 def _frames_compiled() -> int:
     from torch._dynamo.utils import counters
     return int(counters["frames"]["ok"])
@@ -95,12 +116,26 @@ class CompiledDecode:
         if kv_store.scratch_block_id is None or ssm_pool.scratch_slot_id is None:
             raise ValueError("the compiled decode step needs a KV store and SSM pool with scratch space")
         self.model, self.kv_store, self.ssm_pool = model, kv_store, ssm_pool
+        custom_ops.load_kernels()  # the native kernels the graph calls as custom ops, built before any trace
         self.block_size, self.settings, self.device = block_size, settings, device
         # One cache entry per bucket on the same function: dynamo's per-function limit (8) would send
         # the widest buckets back to eager without a word, so it is raised to fit them all twice over.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(settings.buckets))
-        self._compiled = torch.compile(self._decode, backend=settings.backend, mode=settings.mode,
-                                       dynamic=False)
+        # Guards on the step's tensors only (shapes, dtypes, strides: the bucket and the width), not on
+        # the ~550 others dynamo adds for the Python objects the trace read (modules, flags, dicts):
+        # checking those cost ~0.3 ms a step, a tenth of a tiny b32 step. What they guard is fixed
+        # once the engine is built (the kernel switches included: flip them before building a step),
+        # and each step compiles its own copy of the code, so graphs traced for another model, store
+        # or pool are never candidates. A CUDA graph mode keeps dynamo's full set (mode and options
+        # exclude each other).
+        # Inductor's size / stride asserts on every buffer (~50 a step) are off for the same reason.
+        options = None
+        if settings.mode is None:
+            options = {"guard_filter_fn": step_tensor_guards}
+            if settings.backend == "inductor":
+                options.update(size_asserts=False, alignment_asserts=False)
+        self._compiled = torch.compile(_own_code(self._decode), backend=settings.backend, mode=settings.mode,
+                                       options=options, dynamic=False)
         self.buckets_run: set[int] = set()  # buckets this step has run (a compile for one of them is a recompile)
         self.num_graphs = 0
         self.num_recompiles = 0

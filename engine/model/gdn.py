@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.cache.ssm_pool import SSMPool
-from engine.kernels import gdn_step
+from engine.kernels import custom_ops, gdn_step
 from engine.model.batch import ForwardBatch
 from engine.model.config import ModelConfig
 from engine.model.gdn_rule import CHUNK_SIZE, chunked_gated_delta_rule, recurrent_gated_delta_step
@@ -127,10 +127,17 @@ class GatedDeltaNet(nn.Module):
         if batch.decode is not None:
             group = batch.decode
             rows = mixed[split:]  # [B, C]
-            # The native step computes the gates and the output norm itself (fp32).
-            normed = gdn_step.decode_gated(rows, conv_states, weight, rec_states, group.ssm_slots, a[split:],
-                                           b[split:], neg_rate, dt_bias, z[split:], self.norm.weight, self.norm.eps,
-                                           self.num_k_heads, self.head_k_dim, self.head_v_dim)
+            # The native step computes the gates and the output norm itself (fp32); a compiled graph
+            # calls it as a custom op on the whole pools.
+            if torch.compiler.is_compiling():
+                normed = custom_ops.gdn_decode_gated_traced(
+                    rows, pool.conv, pool.recurrent, self.linear_index, weight, group.ssm_slots, a[split:], b[split:],
+                    neg_rate, dt_bias, z[split:], self.norm.weight, self.norm.eps, self.num_k_heads, self.head_k_dim,
+                    self.head_v_dim)
+            else:
+                normed = gdn_step.decode_gated(rows, conv_states, weight, rec_states, group.ssm_slots, a[split:],
+                                               b[split:], neg_rate, dt_bias, z[split:], self.norm.weight,
+                                               self.norm.eps, self.num_k_heads, self.head_k_dim, self.head_v_dim)
             if normed is None:
                 g_rows, beta_rows = self._gates(a[split:], b[split:], neg_rate, dt_bias)  # [B, Hv] each
                 out = gdn_step.decode(rows, conv_states, weight, rec_states, group.ssm_slots, g_rows, beta_rows,

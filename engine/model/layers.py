@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels import skinny_gemm
+from engine.kernels import rms_norm, skinny_gemm
 
 
 # Rows from which a oneDNN-prepacked weight beats MKL's sgemm (measured in the smol prefill on an
@@ -68,20 +68,24 @@ class FusedLinear:
     On other devices or dtypes it is a plain ``F.linear``.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = True):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = True,
+                 skinny: bool = True):
         self.weight = weight.detach()
         self.bias = None if bias is None else bias.detach()
-        # Decode-sized rows go to the native skinny GEMM (engine/kernels) for large fp32 weights:
-        # it streams the weight once in its own layout, faster than either library at 1-32 rows.
-        self.skinny = (self.weight.dtype == torch.float32 and self.weight.device.type == "cpu"
-                       and self.weight.numel() >= PACKED_MIN_WEIGHT and self.weight.stride(1) == 1)
+        # Decode-sized rows go to the native skinny GEMM (engine/kernels) for large fp32 weights,
+        # on its own packed copy (one per weight, whatever the row count): it streams the weight
+        # once per call, faster than either library at 1-32 rows. None where it cannot build.
+        # ``skinny=False`` for weights that only ever see prefill rows (no copy is made for them).
+        self.skinny_packed = (skinny_gemm.pack(self.weight) if skinny and self.weight.numel() >= PACKED_MIN_WEIGHT
+                              else None)  # [ceil(out / 16), in, 16]
+        self.skinny = self.skinny_packed is not None
         self.packed = None
         if prepack and _can_prepack(self.weight):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 512)
 
     def runs_native(self, x: torch.Tensor) -> bool:
         """Whether ``x`` [T, in] would take the native skinny GEMM (where it was built)."""
-        return self.skinny and skinny_gemm.applies(x, self.weight) and skinny_gemm.available()
+        return self.skinny and skinny_gemm.applies(x)
 
     def can_pack(self, x: torch.Tensor) -> bool:
         """Whether ``x`` [T, in] takes the prepacked path."""
@@ -101,7 +105,7 @@ class FusedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> [T, out] (for padded inputs a view of the first T rows)."""
         if self.skinny:
-            out = skinny_gemm.linear(x, self.weight, self.bias)
+            out = skinny_gemm.linear(x, self.skinny_packed, self.weight.shape[0], self.bias)
             if out is not None:
                 return out
         if not self.can_pack(x):
@@ -148,6 +152,10 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.scale = (1.0 + self.weight.detach().float())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scale is not None:
+            out = rms_norm.rms_norm(x, self.scale, self.eps)  # one native call for decode-sized fp32 rows
+            if out is not None:
+                return out
         scale = self.scale if self.scale is not None else 1.0 + self.weight.float()
         out = _rms_normalize(x, self.eps) * scale
         return out if out.dtype == x.dtype else out.to(x.dtype)
@@ -196,7 +204,8 @@ class SwiGLU(nn.Module):
         self.fused_gate_up = FusedLinear(weight, prepack=False)
         self.fused_down = FusedLinear(self.down_proj.weight)
         gate, up = weight.split(self.intermediate_size)  # views: the packed copies are the only new memory
-        self.packed_gate, self.packed_up = FusedLinear(gate), FusedLinear(up)
+        # Prefill-only halves: decode rows run the fused weight's skinny GEMM (one copy, not three).
+        self.packed_gate, self.packed_up = FusedLinear(gate, skinny=False), FusedLinear(up, skinny=False)
         if self.packed_gate.packed is None or self.packed_up.packed is None or self.fused_down.packed is None:
             self.packed_gate = self.packed_up = None
 

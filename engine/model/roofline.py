@@ -4,7 +4,7 @@ A forward must do its FLOPs (at best at the rate of a large square GEMM) and mus
 bytes (at best at the read bandwidth of a streaming pass): its roofline is the larger of the
 two times. ``forward_cost`` is the pure cost model (FLOPs and bytes from the config and the
 batch shape); ``measure_rates`` times the two rates on this machine with the current threads
-(the GEMM in the given dtype). ``bench/forward.py`` and the engine's per-tick telemetry both use them, so the
+(the GEMM in the given dtype), and ``RateProbe`` samples them one at a time, to interleave with forwards. ``bench/forward.py`` and the engine's per-tick telemetry both use them, so the
 dashboard's share and the benchmark's share mean the same thing.
 """
 from __future__ import annotations
@@ -88,29 +88,55 @@ def forward_cost(config: ModelConfig, weight_bytes: int, prefill_tokens: int, pr
     return ForwardCost(float(flops), float(moved))
 
 
-def measure_rates(dtype: torch.dtype = torch.float32, gemm_size: int = 1024, stream_mib: int = 256,
-                  repeats: int = 3, clock=time.perf_counter, max_gemm_s: float = 0.05) -> MachineRates:
-    """Best-of-``repeats`` square-GEMM FLOP/s in ``dtype`` and streaming read bytes/s, with the current threads.
+class RateProbe:
+    """Samples this machine's two rates, one square GEMM and one read pass per ``sample()``.
+
+    Sized once (GEMM operands in ``dtype``, a float32 read buffer of ``stream_mib``), so a
+    sample costs one GEMM and one read pass (~50 ms on a Zen 3 core) and can be interleaved
+    with the forwards it judges: load on a shared machine then reaches both alike.
 
     The GEMM grows from 256 up to ``gemm_size`` while one multiply stays under ``max_gemm_s``:
     where ``dtype`` has no fast kernel (bf16 on a CPU without AVX512-BF16 / AMX runs ~100x
     slower than fp32) a 1024 GEMM would take seconds and the engine's start would wait on it.
-    The read pass sums a float32 buffer larger than any cache (``stream_mib``): bandwidth is
-    bytes whatever their dtype, and a bf16 sum on such a CPU would time conversions, not memory.
+    The read pass sums a float32 buffer larger than any cache: bandwidth is bytes whatever
+    their dtype, and a bf16 sum on such a CPU would time conversions, not memory.
     """
-    size, gemm = 256, 0.0
-    while True:
-        a = torch.randn(size, size).to(dtype)
-        b = torch.randn(size, size).to(dtype)
-        warm_up = _timed(lambda: a @ b, clock)
-        gemm = min(_timed(lambda: a @ b, clock) for _ in range(repeats))
-        if size * 2 > gemm_size or min(warm_up, gemm) * 8 > max_gemm_s:  # the next size costs 8x
-            break
-        size *= 2
-    buffer = torch.ones(stream_mib * (1 << 20) // 4, dtype=torch.float32)
-    buffer.sum()
-    read = min(_timed(buffer.sum, clock) for _ in range(repeats))
-    return MachineRates(2 * size ** 3 / gemm, buffer.numel() * buffer.element_size() / read)
+
+    def __init__(self, dtype: torch.dtype = torch.float32, gemm_size: int = 1024, stream_mib: int = 256,
+                 clock=time.perf_counter, max_gemm_s: float = 0.05):
+        self.clock = clock
+        size = 256
+        while True:
+            self.a = torch.randn(size, size).to(dtype)
+            self.b = torch.randn(size, size).to(dtype)
+            first = _timed(self._gemm, clock)  # the first call also picks kernels
+            if size * 2 > gemm_size or min(first, _timed(self._gemm, clock)) * 8 > max_gemm_s:  # next costs 8x
+                break
+            size *= 2
+        self.gemm_flops = 2 * size ** 3
+        self.buffer = torch.ones(stream_mib * (1 << 20) // 4, dtype=torch.float32)
+        self.buffer.sum()
+
+    def _gemm(self) -> None:
+        self.a @ self.b
+
+    def sample(self) -> MachineRates:
+        """One GEMM and one read pass, timed with the probe's clock."""
+        gemm = _timed(self._gemm, self.clock)
+        read = _timed(self.buffer.sum, self.clock)
+        return MachineRates(self.gemm_flops / gemm, self.buffer.numel() * self.buffer.element_size() / read)
+
+
+def best_rates(samples: list[MachineRates]) -> MachineRates:
+    """The fastest of each rate over ``samples``: the machine's ceiling as far as they saw it."""
+    return MachineRates(max(r.flops_per_s for r in samples), max(r.bytes_per_s for r in samples))
+
+
+def measure_rates(dtype: torch.dtype = torch.float32, gemm_size: int = 1024, stream_mib: int = 256,
+                  repeats: int = 3, clock=time.perf_counter, max_gemm_s: float = 0.05) -> MachineRates:
+    """Best-of-``repeats`` square-GEMM FLOP/s in ``dtype`` and streaming read bytes/s, with the current threads."""
+    probe = RateProbe(dtype, gemm_size, stream_mib, clock, max_gemm_s)
+    return best_rates([probe.sample() for _ in range(repeats)])
 
 
 def _timed(fn, clock) -> float:

@@ -168,3 +168,23 @@ def test_a_recompile_is_counted_and_flagged(tiny):
     step([], bucket=1)
     events = step.take_events()
     assert [e["recompile"] for e in events] == [True] and events[0]["num_recompiles"] == step.num_recompiles == 1
+
+
+def test_each_step_has_its_own_graphs_despite_tensor_only_guards(tiny):
+    """Guards keep tensor metadata only, so two runners over same-shaped tensors would reuse one graph
+    (with the first one's Python constants baked in) if they shared a cache: each compiles its own."""
+    first = ModelRunner(tiny, num_kv_blocks=16, num_ssm_slots=2, compile=CompileSettings("eager", buckets=(1,)))
+    first.compiled_decode([], bucket=1)
+    second = ModelRunner(tiny, num_kv_blocks=16, num_ssm_slots=2, compile=CompileSettings("eager", buckets=(1,)))
+    second.compiled_decode([], bucket=1)
+    assert first.compiled_decode.num_graphs == second.compiled_decode.num_graphs == 1
+
+
+def test_without_native_kernels_the_graph_traces_the_torch_paths(tiny, monkeypatch):
+    """No native kernels (no compiler, CHUNKSCOPE_NATIVE_KERNELS=0): the custom ops are not used, the
+    graph traces the gather + SDPA and tensor GDN paths, and greedy tokens still equal eager."""
+    from engine.kernels import native
+    monkeypatch.setattr(native, "ENABLED", False)
+    eager, _, _ = _greedy_decode(tiny, None, steps=8)
+    compiled, runner, flags = _greedy_decode(tiny, CHEAP, steps=8)
+    assert compiled == eager and all(flags) and runner.compiled_decode.num_recompiles == 0

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import gdn_step, native, skinny_gemm
+from engine.kernels import gdn_step, native, rms_norm, skinny_gemm
 from engine.model import layers
 from engine.model.gdn import GatedDeltaNet
 from engine.model.loader import load_model
@@ -16,7 +16,7 @@ from tests.engine.test_decode_fastpaths import _run
 
 needs_kernels = pytest.mark.skipif(
     native.why_unavailable(native._cpu_flags(), "g++") is not None or not skinny_gemm.available()
-    or not gdn_step.available(), reason="no AVX2/FMA CPU or no C++ compiler here")
+    or not gdn_step.available() or not rms_norm.available(), reason="no AVX2/FMA CPU or no C++ compiler here")
 
 
 @pytest.fixture(autouse=True)
@@ -28,41 +28,94 @@ def one_thread():
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 16, 21, 32])
-@pytest.mark.parametrize("out_cols, inner", [(3072, 576), (7, 13), (250, 1536)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 8, 13, 16, 21, 32])
+@pytest.mark.parametrize("out_cols, inner", [(3072, 576), (7, 13), (250, 1536), (33, 1)])
 def test_skinny_gemm_equals_library_gemm(rows, out_cols, inner):
     gen = torch.Generator().manual_seed(rows * 1000 + out_cols)
-    weight = torch.randn(out_cols, inner, generator=gen)
+    weight = torch.randn(out_cols, inner + 3, generator=gen)[:, :inner]  # a row stride wider than the rows
     bias = torch.randn(out_cols, generator=gen)
-    x = torch.randn(rows, inner + 5, generator=gen)[:, 2:2 + inner]  # a row stride wider than the rows
-    got = skinny_gemm.linear(x, weight, bias)
+    x = torch.randn(rows, inner + 5, generator=gen)[:, 2:2 + inner]
+    packed = skinny_gemm.pack(weight)
+    assert packed.shape == (-(-out_cols // 16), inner, 16)
+    got = skinny_gemm.linear(x, packed, out_cols, bias)
     assert got is not None and got.shape == (rows, out_cols)
     # Summation order differs from MKL's: equal to float32 rounding of a length-K dot product.
-    assert torch.allclose(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5 * inner ** 0.5)
-    assert torch.allclose(skinny_gemm.linear(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-5 * inner ** 0.5)
+    tolerance = dict(rtol=1e-5, atol=1e-5 * inner ** 0.5)
+    assert torch.allclose(got, F.linear(x, weight, bias), **tolerance)
+    assert torch.allclose(skinny_gemm.linear(x, packed, out_cols), F.linear(x, weight), **tolerance)
 
 
+@needs_kernels
+def test_skinny_gemm_packing_pads_columns_with_zeros():
+    weight = torch.arange(20 * 3, dtype=torch.float32).reshape(20, 3)
+    packed = skinny_gemm.pack(weight)  # [2, 3, 16]: column j of panel p is weight row 16 p + j
+    assert torch.equal(packed[0].t(), weight[:16])
+    assert torch.equal(packed[1, :, :4].t(), weight[16:]) and not packed[1, :, 4:].any()
+
+
+@needs_kernels
 def test_skinny_gemm_declines_what_it_does_not_cover():
     weight = torch.randn(32, 16)
-    assert skinny_gemm.linear(torch.randn(skinny_gemm.MAX_ROWS + 1, 16), weight) is None
-    assert skinny_gemm.linear(torch.randn(4, 16, dtype=torch.bfloat16), weight.bfloat16()) is None
-    assert skinny_gemm.linear(torch.randn(16, 4).t(), weight) is None  # inner stride != 1
+    packed = skinny_gemm.pack(weight)
+    assert skinny_gemm.linear(torch.randn(skinny_gemm.MAX_ROWS + 1, 16), packed, 32) is None
+    assert skinny_gemm.linear(torch.randn(4, 16, dtype=torch.bfloat16), packed, 32) is None
+    assert skinny_gemm.linear(torch.randn(16, 4).t(), packed, 32) is None  # inner stride != 1
+    assert skinny_gemm.pack(weight.bfloat16()) is None and skinny_gemm.pack(weight.t()) is None
     torch.set_num_threads(2)
-    assert skinny_gemm.linear(torch.randn(4, 16), weight) is None  # the libraries split across threads
+    assert skinny_gemm.linear(torch.randn(4, 16), packed, 32) is None  # the libraries split across threads
     torch.set_num_threads(1)
     with pytest.raises(ValueError, match="do not fit"):
-        skinny_gemm.linear(torch.randn(4, 16), weight, torch.randn(3))
+        skinny_gemm.linear(torch.randn(4, 16), packed, 32, torch.randn(3))
+    with pytest.raises(ValueError, match="do not fit"):
+        skinny_gemm.linear(torch.randn(4, 16), packed, 48)  # more columns than the packed copy holds
+    with pytest.raises(ValueError, match="do not fit"):
+        skinny_gemm.linear(torch.randn(4, 15), packed, 32)
 
 
 @needs_kernels
 def test_fused_linear_routes_decode_rows_to_the_kernel(monkeypatch):
     monkeypatch.setattr(layers, "PACKED_MIN_WEIGHT", 0)
-    linear = layers.FusedLinear(torch.randn(96, 40))
+    weight = torch.randn(96, 40)
+    linear = layers.FusedLinear(weight)
     assert linear.skinny and linear.runs_native(torch.randn(8, 40))
+    assert linear.skinny_packed.shape == (6, 40, 16)  # one packed copy, whatever the row counts
+    x = torch.randn(8, 40)
+    assert torch.allclose(linear(x), F.linear(x, weight), rtol=1e-5, atol=1e-4)
     assert not linear.runs_native(torch.randn(skinny_gemm.MAX_ROWS + 1, 40))
     monkeypatch.setattr(native, "ENABLED", False)
     assert not linear.runs_native(torch.randn(8, 40))
     assert not layers.FusedLinear(torch.randn(96, 40).double()).skinny
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", [(1, 576), (8, 576), (3, 7), (32, 9, 64), (5, 1, 13)])
+def test_rms_norm_kernel_equals_torch_norm(shape):
+    gen = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(*shape, generator=gen) * 3
+    scale = torch.randn(shape[-1], generator=gen)
+    got = rms_norm.rms_norm(x, scale, 1e-6)
+    assert got is not None and got.shape == x.shape and got.is_contiguous()
+    assert torch.allclose(got, layers._rms_normalize(x, 1e-6) * scale, rtol=1e-5, atol=1e-6)
+
+
+@needs_kernels
+def test_rms_norm_kernel_reads_strided_heads():
+    """q and k arrive as [T, H, D] views into the fused projection's output, rows wider than H * D."""
+    projections = torch.randn(6, 3 * 64 + 40)
+    heads = projections[:, 8:8 + 3 * 64].view(6, 3, 64)
+    scale = torch.randn(64)
+    assert torch.allclose(rms_norm.rms_norm(heads, scale, 1e-6), layers._rms_normalize(heads, 1e-6) * scale,
+                          rtol=1e-5, atol=1e-6)
+
+
+def test_rms_norm_kernel_declines_what_it_does_not_cover(monkeypatch):
+    scale = torch.ones(16)
+    assert rms_norm.rms_norm(torch.randn(4, 16).bfloat16(), scale, 1e-6) is None
+    assert rms_norm.rms_norm(torch.randn(16, 4).t(), scale, 1e-6) is None  # last dim strided
+    assert rms_norm.rms_norm(torch.randn(4, 8), scale, 1e-6) is None  # scale of another width
+    assert rms_norm.rms_norm(torch.randn(rms_norm.MAX_ELEMENTS // 16 + 1, 16), scale, 1e-6) is None  # prefill-sized
+    monkeypatch.setattr(native, "ENABLED", False)
+    assert rms_norm.rms_norm(torch.randn(4, 16), scale, 1e-6) is None
 
 
 def _layer_and_pools(num_slots: int, seed: int):
@@ -111,6 +164,9 @@ def test_gdn_gated_kernel_equals_torch_gates_and_norm(slots, slot_range):
     projected = torch.randn(batch, layer.conv_dim + layer.value_dim + 2 * heads + 3) * 2
     rows, z, b, a = projected[:, :-3].split([layer.conv_dim, layer.value_dim, heads, heads], dim=-1)
     a[0, 0] = 25.0  # softplus's linear branch (torch: threshold 20)
+    # The vectorised SiLU (of the conv output and of the gate z) at the ends of exp's float range.
+    z[0, :8] = torch.tensor([-200.0, -89.0, -88.0, -20.0, 0.0, 20.0, 88.0, 200.0])
+    rows[0, :2 * layer.num_k_heads * layer.head_k_dim] *= 60  # q, k: l2-normalised after the SiLU
     neg_rate, dt_bias = -layer.A_log.exp(), layer.dt_bias.detach()
     index = torch.tensor(slots)
     conv_native, rec_native = conv.clone(), rec.clone()
