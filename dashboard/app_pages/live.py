@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import (api_panel, charts, context, data, engine_panel, heartbeat_view, kv_gauges, live_timeline,
+from dashboard import (api_panel, charts, context, data, engine_panel, fragment_timing, heartbeat_view, kv_gauges, live_timeline,
                        prefix_panel, request_links, spec_panel)
 from dashboard.context import RunContext
 from dashboard.db import DataUnavailable
@@ -95,6 +95,7 @@ def render(ctx: RunContext) -> None:
 
 
 @st.fragment(run_every=BLOCKED_REFRESH_S)
+@fragment_timing.timed("live_blocked_line")
 def blocked_line() -> None:
     """The stall, named from the heartbeat: a light fragment of its own, so the heavy live area's
     render time does not delay it."""
@@ -108,6 +109,7 @@ def blocked_line() -> None:
 
 
 @st.fragment(run_every=REFRESH_S)
+@fragment_timing.timed("live_area")
 def live_area() -> None:
     context.run_page(render)
 
