@@ -55,6 +55,12 @@ _STAMP_JS = """() => { window.__blockedSeenAt = null;
     if (window.__blockedSeenAt === null && document.body.innerText.includes('%s')) {
       window.__blockedSeenAt = Date.now() / 1000; } });
   window.__stampObserver.observe(document.body, {subtree: true, childList: true, characterData: true}); }""" % BLOCKED_TEXT
+# The tab's own 100 ms timer, how late it fires at most: Streamlit's fragment timers share that main
+# thread, so a busy tab (Plotly redraws, React) or a starved one delays the banner whatever the server does.
+_LAG_JS = """() => { window.__lagMax = 0; window.__lagLast = performance.now();
+  if (window.__lagTimer) return;
+  window.__lagTimer = setInterval(() => { const now = performance.now();
+    window.__lagMax = Math.max(window.__lagMax, now - window.__lagLast - 100); window.__lagLast = now; }, 100); }"""
 
 
 
@@ -151,9 +157,14 @@ class LivePage:
         self.page.locator('[data-testid="stMetricValue"]').first.wait_for(timeout=60_000)
 
     def arm(self) -> None:
-        """Wait until no blocker is shown, then start stamping its next appearance."""
+        """Wait until no blocker is shown, then start stamping its next appearance (and the tab's lag)."""
         self.page.get_by_text(BLOCKED_TEXT).first.wait_for(state="detached", timeout=60_000)
         self.page.evaluate(_STAMP_JS)
+        self.page.evaluate(_LAG_JS)
+
+    def max_lag_s(self) -> float:
+        """How late the tab's 100 ms timer fired at most since ``arm``: its main thread starved."""
+        return self.page.evaluate("window.__lagMax") / 1000
 
     def seconds_until_blocker_shown(self, since_wall: float) -> tuple[float, float, str]:
         """(DOM latency, Playwright latency, banner text), both from ``since_wall`` (time.time())."""
@@ -243,7 +254,8 @@ def main() -> int:
                     f"{to_heartbeat:.2f} s")
             if shown is not None:
                 line += (f"; heartbeat -> the open Live page shows it {shown[0]:.2f} s in the DOM, "
-                         f"{shown[1]:.2f} s as Playwright noticed (target <= 2 s)")
+                         f"{shown[1]:.2f} s as Playwright noticed (target <= 2 s); the tab's timer up to "
+                         f"{page.max_lag_s():.2f} s late")
             print(line)
             unblock(run_dir, version := version + 1)
     finally:
