@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import (api_panel, charts, context, data, engine_panel, fragment_timing, heartbeat_view, kv_gauges, live_timeline,
-                       prefix_panel, request_links, spec_panel)
+from dashboard import (api_panel, charts, context, data, engine_panel, fragment_timing, heartbeat_view, kv_gauges,
+                       live_timeline, prefix_panel, request_links, spec_panel, tables)
 from dashboard.context import RunContext
 from dashboard.db import DataUnavailable
 from dashboard.metric_row import Metric, metric_row
@@ -106,7 +106,7 @@ def render_details(ctx: RunContext) -> None:
     end_ns = int(c["t_ns"] + c["duration_ns"])
     latency = data.latency_percentiles(ctx.db, ctx.run_id, ctx.version)
     left, right = st.columns([2, 3])
-    left.dataframe(latency.drop(columns="scope").round(2), hide_index=True, key="live_latency_table")
+    tables.show(latency.drop(columns="scope").round(2), key="live_latency_table", where=left)
     left.caption(f"latency over the {latency['scope'].iloc[0]}")
     right.plotly_chart(charts.latency_figure(latency), key="live_latency", width="stretch")
     api_panel.render(ctx, end_ns, window_s)
