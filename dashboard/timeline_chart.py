@@ -98,7 +98,8 @@ def _forward_segments(segments: pd.DataFrame) -> list[dict]:
         custom = np.full((3 * n, 2), np.nan)
         custom[0::3] = custom[1::3] = rows[["num_ticks", "num_tokens"]].to_numpy(dtype=float)
         traces.append(dict(
-            type="scattergl", name=f"{path} forward", x=xs, y=np.where(np.isnan(xs), np.nan, LANE_Y["scheduler"]), mode="lines",
+            type="scattergl", name=f"{path} forward", x=xs, y=np.where(np.isnan(xs), np.nan, LANE_Y["scheduler"]),
+            mode="lines",
             customdata=custom, line={"color": path_color(path), "width": 14}, hovertemplate=_SEGMENT_HOVER,
             legendgroup=str(path),
         ))
@@ -119,7 +120,8 @@ def _roofline_trace(forwards: pd.DataFrame, webgl: bool) -> list:
     end = rows["end_ms"] if "end_ms" in rows.columns else rows["start_ms"] + rows["dur_ms"]
     share = rows["roofline_share"].to_numpy(dtype=float)
     return [dict(
-        type="scattergl" if webgl else "scatter", name="roofline share", x=((rows["start_ms"] + end) / 2).to_numpy(dtype=float),
+        type="scattergl" if webgl else "scatter", name="roofline share",
+        x=((rows["start_ms"] + end) / 2).to_numpy(dtype=float),
         y=np.full(len(rows), LANE_Y["roofline"]), mode="markers", customdata=rows[["path"]].astype(str).to_numpy(),
         marker={"symbol": "square", "size": 10, "color": share, "colorscale": ROOFLINE_COLORSCALE,
                 "cmin": 0.0, "cmax": 1.0, "colorbar": {"title": {"text": "roofline"}, "tickformat": ".0%",
@@ -143,7 +145,8 @@ def _stream_traces(stream_events: pd.DataFrame, links: pd.DataFrame) -> list:
         # a wait is drawn on the stream it makes wait (target_stream), where the link lands
         lanes = rows["target_stream"].fillna(rows["stream"]) if "target_stream" in rows else rows["stream"]
         traces.append(dict(
-            type="scatter", name=f"stream {kind}", x=rows["t_ms"].to_numpy(dtype=float), y=lane_y(lanes), mode="markers",
+            type="scatter", name=f"stream {kind}", x=rows["t_ms"].to_numpy(dtype=float), y=lane_y(lanes),
+            mode="markers",
             marker={"symbol": KIND_SYMBOLS.get(str(kind), "circle"), "size": 9,
                     "color": KIND_COLORS.get(str(kind), FALLBACK_COLOR)},
             customdata=rows[["seq", "tick"]].to_numpy(dtype=float), text=rows["event_name"].astype(str).tolist(),
