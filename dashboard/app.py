@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import context, data, request_links, status_banner
+from dashboard import context, data, fragment_timing, request_links, status_banner
 from dashboard.db import DataUnavailable
 
 st.set_page_config(page_title="Chunkscope", page_icon=":material/biotech:", layout="wide")
@@ -58,6 +58,7 @@ def follow_run_link(labels: dict) -> None:
 
 
 @st.fragment(run_every=STATUS_REFRESH_S)
+@fragment_timing.timed("sidebar_status")
 def chosen_run_status(db: str) -> None:
     """The chosen run's status, kept current (running -> finished shows up without a reload)."""
     try:
@@ -69,6 +70,12 @@ def chosen_run_status(db: str) -> None:
         st.caption(f"run {run_id}: {runs.loc[runs['run_id'] == run_id, 'status'].iloc[0]}")
 
 
-run_picker()
-status_banner.render(context.paths().run_dir)
-st.navigation(PAGES).run()
+@fragment_timing.timed("script")
+def main() -> None:
+    run_picker()
+    status_banner.render(context.paths().run_dir)
+    st.navigation(PAGES).run()
+
+
+fragment_timing.configure_from_env()
+main()

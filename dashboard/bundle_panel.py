@@ -12,7 +12,7 @@ from typing import Any
 
 import streamlit as st
 
-from dashboard import bundles, replay_check
+from dashboard import bundles, replay_check, tables
 from dashboard.context import RunContext
 from telemetry.bundle import BundleError
 from telemetry.levers import LEVERS, LEVERS_BY_NAME
@@ -96,7 +96,7 @@ def _show_result(result: dict) -> None:
     report = result["report"]
     level, text = replay_check.headline(report)
     (st.success if level == "success" else st.warning)(text)
-    st.dataframe(replay_check.request_table(report), hide_index=True, key="replay_requests")
+    tables.show(replay_check.request_table(report), key="replay_requests")
 
 
 def replay_section(ctx: RunContext) -> None:

@@ -9,7 +9,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from dashboard.palette import path_color, phase_color
-from dashboard.timeline_chart import timeline_figure  # re-exported: one import for pages
+from dashboard.timeline_chart import timeline_figure, timeline_json  # re-exported: one import for pages
 
 PERCENTILES = ("p50", "p90", "p99")
 _MARGIN = {"l": 10, "r": 10, "t": 40, "b": 40}
@@ -136,4 +136,4 @@ def prefix_hit_figure(buckets: pd.DataFrame) -> go.Figure:
 
 
 __all__ = ["latency_figure", "prefix_hit_figure", "chunk_length_histogram", "mix_share_figure", "waterfall_figure",
-           "runs_compare_figure", "timeline_figure"]
+           "runs_compare_figure", "timeline_figure", "timeline_json"]

@@ -84,9 +84,12 @@ def current(*, quiet: bool = False) -> RunContext | None:
     return RunContext(run_paths, db, run_id, version, run)
 
 
-def run_page(render: Callable[[RunContext], None]) -> None:
-    """Run a page body; a store problem mid-page becomes a message, never a stack trace."""
-    ctx = current()
+def run_page(render: Callable[[RunContext], None], *, quiet: bool = False) -> None:
+    """Run a page body; a store problem mid-page becomes a message, never a stack trace.
+
+    ``quiet``: say nothing when there is no run (a second part of a page whose first part says it).
+    """
+    ctx = current(quiet=quiet)
     if ctx is None:
         return
     try:

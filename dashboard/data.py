@@ -34,6 +34,22 @@ def run_version(db: str, run_id: int) -> Version:
     return row["num_events"], row["status"]
 
 
+def timeline_version(db: str, run_id: int, version: Version) -> Version:
+    """The cache key of the Live timeline. A live run's moves with the newest row of each table the
+    timeline draws (``MAX(id)``: one primary-key lookup each; the one engine writing this store
+    writes the newest rows), not with every event as ``run_version`` does: it holds still while only
+    requests arrive, as they do at a blocked engine, so a blocked refresh neither queries the window
+    nor rebuilds the figure. (KV-quant and rank events are written with their tick's rows.)
+    A finished run's key is its fixed ``version``."""
+    if version[1] != "running":
+        return version
+    row = query_one(Path(db), "SELECT (SELECT MAX(id) FROM ticks) AS ticks, "
+                              "(SELECT MAX(id) FROM stream_events) AS streams, "
+                              "(SELECT MAX(id) FROM preemptions) AS preemptions, "
+                              "(SELECT MAX(id) FROM lever_changes) AS levers") or {}
+    return run_id, row.get("ticks"), row.get("streams"), row.get("preemptions"), row.get("levers")
+
+
 @st.cache_data(max_entries=_ENTRIES, show_spinner=False)
 def run_row(db: str, run_id: int, version: Version) -> dict | None:
     return queries_runs.run_row(Path(db), run_id)
@@ -63,9 +79,9 @@ def timeline_spec(db: str, run_id: int, version: Version, window_s: float) -> st
     """
     win = timeline_window(db, run_id, version, window_s)
     cap = queries_live.MAX_STREAM_EVENTS if win.stream_events_capped else None
-    return charts.timeline_figure(win.forwards, win.stream_events, win.links, win.preemptions, win.lever_changes,
-                                  (win.start_ms, win.end_ms), stream_events_cap=cap,
-                                  kv_quant_changes=win.kv_quant_changes, rank_forwards=win.rank_forwards).to_json()
+    return charts.timeline_json(win.forwards, win.stream_events, win.links, win.preemptions, win.lever_changes,
+                                (win.start_ms, win.end_ms), stream_events_cap=cap,
+                                kv_quant_changes=win.kv_quant_changes, rank_forwards=win.rank_forwards)
 
 
 @st.cache_data(max_entries=_ENTRIES, show_spinner=False)

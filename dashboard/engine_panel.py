@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import context, engine_control
+from dashboard import context, engine_control, fragment_timing
 from dashboard.context import RunContext
 from dashboard.paths import RunPaths
 
@@ -12,6 +12,7 @@ REFRESH_S = 2.0   # the strip follows the engine: an exit shows up without a rel
 
 
 @st.fragment(run_every=REFRESH_S)
+@fragment_timing.timed("engine_strip")
 def render_live(paths: RunPaths) -> None:
     """The strip, redrawn with the run as it is now (the page's run context goes stale)."""
     render(paths, context.current(quiet=True))

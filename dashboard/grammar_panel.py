@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import data
+from dashboard import data, tables
 from dashboard.context import RunContext
 from dashboard.metric_row import Metric, metric_row
 from dashboard.queries_grammar import RECENT_TICKS
@@ -31,4 +31,4 @@ def render(ctx: RunContext) -> None:
         Metric("preemptions that skipped holders", f"{s['num_with_skips']} / {s['num_preemptions']}",
                help=f"{s['num_skipped']} grammar holders passed over in all (they are never victims)"),
     ])
-    st.dataframe(s["by_kind"], hide_index=True, key="grammar_by_kind")
+    tables.show(s["by_kind"], key="grammar_by_kind")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import charts, data
+from dashboard import charts, data, tables
 from dashboard.context import RunContext
 from dashboard.metric_row import Metric, metric_row
 
@@ -39,5 +39,4 @@ def render(ctx: RunContext) -> None:
         right.caption("No request recorded a prefix miss reason.")
     else:
         right.markdown("**Why hits stopped short** (requests by reason)")
-        right.dataframe(reasons, hide_index=True, key="prefix_miss_reasons",
-                        column_config={"example": st.column_config.TextColumn(width="large")})
+        tables.show(reasons, key="prefix_miss_reasons", where=right)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
-import plotly.graph_objects as go
 
 RANK_COLUMNS = ["rank", "tick", "start_ms", "broadcast_ms", "expert_ms", "exchange_ms", "forward_ms"]
 _PARTS = (  # (column, label, colour, bar width, offset from the forward start column)
@@ -27,8 +26,9 @@ def rank_lane_names(ranks: list[int]) -> list[str]:
     return [f"rank {r}" for r in ranks]
 
 
-def rank_lane_traces(rank_forwards: pd.DataFrame, top_y: float) -> tuple[list[go.Bar], list[float], list[str]]:
-    """Bars for every rank's forwards, lanes at ``top_y``, ``top_y - 1``, ...; returns (traces, y, names)."""
+def rank_lane_traces(rank_forwards: pd.DataFrame, top_y: float) -> tuple[list[dict], list[float], list[str]]:
+    """Bars (plain Plotly trace dicts) for every rank's forwards, lanes at ``top_y``, ``top_y - 1``, ...;
+    returns (traces, y, names)."""
     if rank_forwards.empty:
         return [], [], []
     ranks = sorted(int(r) for r in rank_forwards["rank"].unique())
@@ -43,9 +43,9 @@ def rank_lane_traces(rank_forwards: pd.DataFrame, top_y: float) -> tuple[list[go
         "expert_ms": start,
         "exchange_ms": start + rank_forwards["expert_ms"].to_numpy(dtype=float),
     }
-    traces = [go.Bar(name=label, y=y, base=bases[column], x=rank_forwards[column].to_numpy(dtype=float),
-                     orientation="h", marker_color=colour, width=width, customdata=custom, hovertemplate=_HOVER,
-                     legendgroup="ranks")
+    traces = [dict(type="bar", name=label, y=y, base=bases[column], x=rank_forwards[column].to_numpy(dtype=float),
+                   orientation="h", marker={"color": colour}, width=width, customdata=custom, hovertemplate=_HOVER,
+                   legendgroup="ranks")
               for column, label, colour, width in _PARTS]
     return traces, [lane_of[r] for r in ranks], rank_lane_names(ranks)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import data, spec_charts
+from dashboard import data, spec_charts, tables
 from dashboard.context import RunContext
 from dashboard.metric_row import Metric, metric_row
 
@@ -32,4 +32,4 @@ def render(ctx: RunContext, window_s: float) -> None:
                        width="stretch")
     if len(drops):
         st.markdown("**Drafts dropped** beside the fused tick that dropped them")
-        st.dataframe(drops.drop(columns="t_ms"), hide_index=True, key="spec_drops")
+        tables.show(drops.drop(columns="t_ms"), key="spec_drops")

@@ -15,6 +15,8 @@ from typing import Any
 
 import streamlit as st
 
+from dashboard import fragment_timing
+
 from telemetry.engine_status import read_engine_status
 from telemetry.procs import is_engine_pid
 
@@ -66,6 +68,7 @@ def current_banner(run_dir: Path) -> Banner | None:
 
 
 @st.fragment(run_every=REFRESH_S)
+@fragment_timing.timed("status_banner")
 def render(run_dir: Path) -> None:
     banner = current_banner(run_dir)
     if banner is not None:

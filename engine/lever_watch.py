@@ -15,8 +15,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from watchdog.events import (EVENT_TYPE_CLOSED_NO_WRITE, EVENT_TYPE_OPENED, FileSystemEvent,
-                             FileSystemEventHandler)
+from watchdog.events import (EVENT_TYPE_CLOSED_NO_WRITE, EVENT_TYPE_OPENED, FileCreatedEvent, FileDeletedEvent,
+                             FileMovedEvent, FileSystemEvent, FileSystemEventHandler)
 from watchdog.observers import Observer
 
 from telemetry.levers import MAX_FILE_BYTES, LeverValues, LeversReadResult, levers_from_bytes
@@ -24,6 +24,13 @@ from telemetry.levers import MAX_FILE_BYTES, LeverValues, LeversReadResult, leve
 log = logging.getLogger("chunkscope.levers")
 
 STAT_RECHECK_S = 1.0
+# The inotify mask: an atomic replace (a move: how the dashboard and `levers set` write), a create,
+# a delete. The directory also holds the telemetry store, whose -wal the engine's writer modifies
+# ~20 times a second and an open dashboard opens and closes-after-write (its -wal / -shm) ~15 times
+# a second; every delivered event woke the observer's threads, about 0.01-0.04 of a core while the
+# engine was blocked (bench/stall.py, per thread). Modify / close-write are left out of the mask:
+# an editor writing the file in place is seen by the stat check, within STAT_RECHECK_S.
+WATCHED_EVENTS = [FileMovedEvent, FileCreatedEvent, FileDeletedEvent]
 
 
 @dataclass(frozen=True)
@@ -40,8 +47,10 @@ class _FlagOnChange(FileSystemEventHandler):
     def __init__(self, path: str, flag: threading.Event) -> None:
         self._path = path
         self._flag = flag
+        self.num_events = 0      # events delivered (a test proves the store's traffic is not)
 
     def on_any_event(self, event: FileSystemEvent) -> None:
+        self.num_events += 1
         # Our own read of the file raises open / close-without-write events: reacting to them
         # would re-read the file every tick (and re-log a refused lever every tick).
         if event.event_type in (EVENT_TYPE_OPENED, EVENT_TYPE_CLOSED_NO_WRITE):
@@ -62,6 +71,7 @@ class LeverWatcher:
         self._dirty = threading.Event()
         self._dirty.set()                    # read once at start
         self._observer: Observer | None = None
+        self.handler: _FlagOnChange | None = None
         self._last_stat: tuple[int, int] | None = None
         self._last_stat_check = 0.0
         self._last_digest: str | None = None  # the content last handed over (applied, refused or rejected)
@@ -75,7 +85,8 @@ class LeverWatcher:
         os.makedirs(directory, exist_ok=True)
         try:
             observer = Observer()
-            observer.schedule(_FlagOnChange(self.path, self._dirty), directory, recursive=False)
+            self.handler = _FlagOnChange(self.path, self._dirty)
+            observer.schedule(self.handler, directory, recursive=False, event_filter=WATCHED_EVENTS)
             observer.daemon = True
             observer.start()
             self._observer = observer

@@ -91,6 +91,9 @@ class TelemetryWriter:
         self._db: sqlite_utils.Database | None = None
         self._retry: list[Any] = []            # batch that failed, retried first
         self._last_checkpoint = time.monotonic()
+        self._batches_at_checkpoint = 0        # flushed_batches when the last checkpoint ran
+        self._wal_copied = False               # that checkpoint copied every WAL frame (no reader held it)
+        self.num_checkpoints = 0               # periodic checkpoints run (none while nothing is written)
         self._thread = threading.Thread(target=self._loop, name="telemetry-writer", daemon=True)
         self._thread.start()
 
@@ -308,14 +311,21 @@ class TelemetryWriter:
         self._db = None
 
     def _maybe_checkpoint(self) -> None:
-        if time.monotonic() - self._last_checkpoint >= self._checkpoint_interval_s:
-            self._checkpoint()
-            self._last_checkpoint = time.monotonic()
-
-    def _checkpoint(self, mode: str | None = None) -> None:
-        """PASSIVE normally; TRUNCATE once the -wal grows past wal_limit_bytes (readers poll meanwhile)."""
-        if self._db is None:
+        if time.monotonic() - self._last_checkpoint < self._checkpoint_interval_s:
             return
+        # Nothing committed since a checkpoint that copied the whole WAL back: there is nothing to do,
+        # and a checkpoint per second of a blocked or idle engine only burns CPU beside the readers.
+        if self.flushed_batches != self._batches_at_checkpoint or not self._wal_copied:
+            self._batches_at_checkpoint = self.flushed_batches
+            self._wal_copied = self._checkpoint()
+            self.num_checkpoints += 1
+        self._last_checkpoint = time.monotonic()
+
+    def _checkpoint(self, mode: str | None = None) -> bool:
+        """PASSIVE normally; TRUNCATE once the -wal grows past wal_limit_bytes (readers poll meanwhile).
+        True when every WAL frame is now in the database file."""
+        if self._db is None:
+            return False
         if mode is None:
             try:
                 wal_bytes = os.path.getsize(self.db_path + "-wal")
@@ -323,9 +333,11 @@ class TelemetryWriter:
                 wal_bytes = 0
             mode = "TRUNCATE" if wal_bytes > self._wal_limit_bytes else "PASSIVE"
         try:
-            self._db.execute(f"PRAGMA wal_checkpoint({mode})").fetchall()
+            is_busy, wal_frames, copied_frames = self._db.execute(f"PRAGMA wal_checkpoint({mode})").fetchone()
         except sqlite3.Error as exc:  # a busy checkpoint is retried next interval
             log.debug("wal_checkpoint(%s) skipped: %s", mode, exc)
+            return False
+        return not is_busy and copied_frames == wal_frames
 
 
 def mark_crashed_runs(db_path: str | os.PathLike) -> list[int]:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import charts, context, data, request_links
+from dashboard import charts, context, data, request_links, tables
 from dashboard.context import RunContext
 from dashboard.queries_chunks import BLOCKERS, CAP_RULES, NEWEST_SCOPE, PATHS, ChunkFilter
 from dashboard.queries_requests import BadSearch, parse_request_id
@@ -47,7 +47,7 @@ def render(ctx: RunContext) -> None:
         return
     # Each request id links to the Requests page opened on that request (a new tab: this view stays).
     table = table.assign(request_id=[request_links.link_url(ctx.run_id, int(r)) for r in table["request_id"]])
-    st.dataframe(table, hide_index=True, key="chunks_table", column_config={
+    tables.show(table, key="chunks_table", column_config={
         "duration_ns": st.column_config.NumberColumn("duration (ns)"),
         "request_id": st.column_config.LinkColumn("request_id", display_text=r"request=(\d+)$",
                                                   help="opens the Requests page on this request")})

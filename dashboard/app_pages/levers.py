@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import context, data, lever_state
+from dashboard import context, data, lever_state, tables
 from dashboard.context import RunContext
 from telemetry.levers import LEVERS, LEVERS_BY_NAME, Lever, LeversError
 
@@ -72,7 +72,7 @@ def render(ctx: RunContext) -> None:
         if row.rejection:
             text += f"  \n:red[rejected: {row.rejection}]"
         right.markdown(text)
-    st.dataframe(lever_state.rows_table(list(rows.values())), hide_index=True, key="levers_table")
+    tables.show(lever_state.rows_table(list(rows.values())), key="levers_table")
 
 
 @st.fragment(run_every=REFRESH_S)

@@ -1,10 +1,17 @@
-"""Live: counters, the stream-lane timeline and latency percentiles, refreshed every second."""
+"""Live: counters, the stream-lane timeline and latency percentiles, refreshed every second.
+
+A browser session runs one script or fragment at a time, and a fragment that comes due waits for the
+one running. So the page is cut into short fragments: the stall line (0.5 s, a file read), the
+counters and timeline (1 s, cached per timeline version, so a blocked engine's refresh is lookups),
+and the slower-moving percentiles and panels (every DETAILS_REFRESH_S). Each one's run time is logged
+by ``fragment_timing`` (``bench/stall.py`` prints them).
+"""
 from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import (api_panel, charts, context, data, engine_panel, heartbeat_view, kv_gauges, live_timeline,
-                       prefix_panel, request_links, spec_panel)
+from dashboard import (api_panel, charts, context, data, engine_panel, fragment_timing, heartbeat_view, kv_gauges,
+                       live_timeline, prefix_panel, request_links, spec_panel, tables)
 from dashboard.context import RunContext
 from dashboard.db import DataUnavailable
 from dashboard.metric_row import Metric, metric_row
@@ -14,6 +21,8 @@ from telemetry.procs import is_engine_pid
 
 REFRESH_S = 1.0
 BLOCKED_REFRESH_S = 0.5
+DETAILS_REFRESH_S = 5.0   # percentiles over the newest requests, traffic, prefix cache, speculation: each redraw
+# of their Plotly charts costs the browser more than the whole timeline (a CPU profile of the tab)
 WINDOWS_S = (2, 5, 10, 30, 60, 300)
 HANDLED_CLICK_KEY = "live_timeline_handled_click"
 
@@ -60,8 +69,10 @@ def engine_now(ctx: RunContext, last_tick_age_s: float | None) -> heartbeat_view
     return heartbeat_view.live_state(status, ctx.run_id, is_engine_pid((status or {}).get("pid")), last_tick_age_s)
 
 
-def render(ctx: RunContext) -> None:
-    c = data.live_counters(ctx.db, ctx.run_id, ctx.version, float(window_s))
+def render_now(ctx: RunContext) -> None:
+    """Counters and the timeline: what moves every second."""
+    key = data.timeline_version(ctx.db, ctx.run_id, ctx.version)
+    c = data.live_counters(ctx.db, ctx.run_id, key, float(window_s))
     end_ns = int(c["t_ns"] + c["duration_ns"]) if c is not None else None
     age = context.seconds_since_last_row(ctx, end_ns)
     now = engine_now(ctx, age) if ctx.is_running else None
@@ -73,9 +84,9 @@ def render(ctx: RunContext) -> None:
     counters(c, now, ctx.is_running)
     if now is None and ctx.is_running and age is not None and age > context.STALE_AFTER_S:
         st.warning(f"Run {ctx.run_id} is marked running but no tick has arrived for {age:.0f} s.")
-    win = data.timeline_window(ctx.db, ctx.run_id, ctx.version, float(window_s))
+    win = data.timeline_window(ctx.db, ctx.run_id, key, float(window_s))
     cap = MAX_STREAM_EVENTS if win.stream_events_capped else None
-    spec = data.timeline_spec(ctx.db, ctx.run_id, ctx.version, float(window_s))
+    spec = data.timeline_spec(ctx.db, ctx.run_id, key, float(window_s))
     clicked = live_timeline.render(spec, key="live_timeline", revision=end_ns)   # stays mounted: zoom kept
     open_clicked_request(ctx, clicked)
     mode = "bucketed into WebGL segments" if win.is_bucketed else "one bar per forward"
@@ -84,9 +95,18 @@ def render(ctx: RunContext) -> None:
                f"{len(win.preemptions)} preemptions, "
                f"{len(win.lever_changes)} lever changes"
                + kv_gauges.kv_quant_caption(data.kv_quant_status(ctx.db, ctx.run_id, ctx.version)))
+
+
+def render_details(ctx: RunContext) -> None:
+    """Latency percentiles, traffic, prefix cache and speculation: aggregates that move slowly."""
+    c = data.live_counters(ctx.db, ctx.run_id, data.timeline_version(ctx.db, ctx.run_id, ctx.version),
+                           float(window_s))
+    if c is None:
+        return                          # the counters' fragment says there are no ticks yet
+    end_ns = int(c["t_ns"] + c["duration_ns"])
     latency = data.latency_percentiles(ctx.db, ctx.run_id, ctx.version)
     left, right = st.columns([2, 3])
-    left.dataframe(latency.drop(columns="scope").round(2), hide_index=True, key="live_latency_table")
+    tables.show(latency.drop(columns="scope").round(2), key="live_latency_table", where=left)
     left.caption(f"latency over the {latency['scope'].iloc[0]}")
     right.plotly_chart(charts.latency_figure(latency), key="live_latency", width="stretch")
     api_panel.render(ctx, end_ns, window_s)
@@ -95,6 +115,7 @@ def render(ctx: RunContext) -> None:
 
 
 @st.fragment(run_every=BLOCKED_REFRESH_S)
+@fragment_timing.timed("live_blocked_line")
 def blocked_line() -> None:
     """The stall, named from the heartbeat: a light fragment of its own, so the heavy live area's
     render time does not delay it."""
@@ -108,9 +129,17 @@ def blocked_line() -> None:
 
 
 @st.fragment(run_every=REFRESH_S)
-def live_area() -> None:
-    context.run_page(render)
+@fragment_timing.timed("live_now")
+def live_now() -> None:
+    context.run_page(render_now)
+
+
+@st.fragment(run_every=DETAILS_REFRESH_S)
+@fragment_timing.timed("live_details")
+def live_details() -> None:
+    context.run_page(render_details, quiet=True)
 
 
 blocked_line()
-live_area()
+live_now()
+live_details()

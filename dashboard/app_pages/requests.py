@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import charts, context, data, grammar_panel, request_links
+from dashboard import charts, context, data, grammar_panel, request_links, tables
 from dashboard.context import RunContext
 from dashboard.lifecycle import request_phases
 from dashboard.queries_requests import MAX_LISTED, BadSearch, parse_search
@@ -58,18 +58,18 @@ def render(ctx: RunContext) -> None:
             prefix_hit_ratio=(found["prefix_hit_tokens"] / found["prompt_len"].where(found["prompt_len"] > 0)),
             grammar=grammar_marks(found),
         )[TABLE_COLUMNS]
-        st.dataframe(table, hide_index=True, key="requests_table", column_config={
+        tables.show(table, key="requests_table", column_config={
             "ttft_ms": st.column_config.NumberColumn("TTFT (ms)", format="%.1f"),
             "e2e_ms": st.column_config.NumberColumn("e2e (ms)", format="%.1f"),
             "prefix_hit_ratio": st.column_config.NumberColumn("prefix hit", format="percent"),
             "prefix_hit_tokens": st.column_config.NumberColumn("hit tokens"),
-            "prefix_miss_reason": st.column_config.TextColumn("prefix miss reason", width="large")})
+            "prefix_miss_reason": st.column_config.TextColumn("prefix miss reason")})
     grammar_panel.render(ctx)
     st.subheader(f"Errors and rejections ({len(errors)})")
     if errors.empty:
         st.success("No request ended with an error.")
     else:
-        st.dataframe(errors, hide_index=True, key="requests_errors")
+        tables.show(errors, key="requests_errors")
 
 
 def grammar_marks(found):

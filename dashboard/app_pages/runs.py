@@ -4,7 +4,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dashboard import bundle_panel, charts, context, data, queries_runs
+from dashboard import bundle_panel, charts, context, data, queries_runs, tables
 from dashboard.context import RunContext
 
 st.title("Runs")
@@ -45,7 +45,7 @@ def render(ctx: RunContext) -> None:
     st.markdown(f"**{plural(len(runs), 'run')}** in `{ctx.db}`" + (f", :red[{crashed} crashed]" if crashed else ""))
     listing = runs.drop(columns=["levers", "config", "workload", "started_at", "finished_at"]).assign(
         started=_local_time(runs["started_at"]), finished=_local_time(runs["finished_at"]))
-    st.dataframe(listing, hide_index=True, key="runs_table")
+    tables.show(listing, key="runs_table")
     ids = [int(r) for r in runs["run_id"]]
     cols = st.columns(2)
     a = cols[0].selectbox("run A", ids, index=0, key="runs_a")
@@ -60,7 +60,7 @@ def render(ctx: RunContext) -> None:
         levers[label], later[label] = data.levers_in_effect(ctx.db, run_id, version, row.get("levers") or {})
     table = pd.DataFrame(metrics)
     st.subheader("Side by side")
-    st.dataframe(table.map(_cell), key="runs_compare")
+    tables.show(table.map(_cell), key="runs_compare", hide_index=False)
     st.caption("latency percentiles over: " + "; ".join(f"{k}: {v}" for k, v in scopes.items()))
     latency = table.loc[[i for i in table.index if i.endswith(" ms")]]
     long = latency.reset_index(names="metric").melt(id_vars="metric", var_name="run", value_name="value_ms")
@@ -76,11 +76,11 @@ def render(ctx: RunContext) -> None:
         st.info("No roofline recorded for these runs (the engine records one per tick when it measured "
                 "the machine's rates at start).")
     else:
-        st.dataframe(roofline.set_index(["run", "path"]).map(_cell), key="runs_roofline")
+        tables.show(roofline.set_index(["run", "path"]).map(_cell), key="runs_roofline", hide_index=False)
     st.subheader("Lever settings at the first tick")
     st.caption("Defaults and environment, with the levers file the engine applied at tick 0; "
                "later changes are listed beside them.")
-    st.dataframe(lever_settings_table(levers, later), key="runs_levers")
+    tables.show(lever_settings_table(levers, later), key="runs_levers", hide_index=False)
     bundle_panel.render(ctx, a)
 
 

@@ -181,3 +181,25 @@ def test_timeline_roofline_lane_goes_webgl_and_handles_runs_without_rooflines():
     none = _spec(timeline_figure(_forwards(6).assign(roofline_share=None), NO_STREAMS, NO_LINKS, NO_PREEMPT,
                                  NO_LEVERS))
     assert all(t["name"] != "roofline share" for t in none["data"])
+
+
+def test_the_live_pages_unvalidated_timeline_json_is_the_validated_figure(real_run_dir):
+    """The Live page serializes the timeline dict without graph-object validation (that took most of a
+    refresh); on a real run's window, plus rank lanes and a stated cap, the browser gets exactly what the
+    validated ``go.Figure`` would send."""
+    from dashboard.queries_live import timeline_window
+    from dashboard.timeline_chart import timeline_json
+
+    win = timeline_window(real_run_dir.db, int(real_run_dir.one("SELECT MAX(run_id) FROM runs")), 3600.0)
+    assert len(win.forwards) and len(win.lever_changes)          # real bars, roofline and lever lines
+    ranks = pd.DataFrame({"rank": [0, 1], "tick": [1, 1], "start_ms": [1.0, 1.0], "broadcast_ms": [0.1, 0.2],
+                          "expert_ms": [0.3, 0.4], "exchange_ms": [0.05, 0.06], "forward_ms": [0.9, 0.9]})
+    args = (win.forwards, win.stream_events, win.links, win.preemptions, win.lever_changes,
+            (win.start_ms, win.end_ms))
+    kwargs = dict(stream_events_cap=1500, kv_quant_changes=win.kv_quant_changes, rank_forwards=ranks)
+    fast = decode_spec(timeline_json(*args, **kwargs))
+    validated = _spec(timeline_figure(*args, **kwargs))
+    assert fast["data"] == validated["data"]
+    assert fast["layout"] == validated["layout"]
+    assert any(t["name"] == "roofline share" for t in fast["data"])
+    assert [s["type"] for s in fast["layout"]["shapes"]] == ["line"] * len(fast["layout"]["shapes"]) != []

@@ -8,8 +8,8 @@ def test_the_live_timeline_is_built_once_per_version(real_run_dir, monkeypatch):
     from dashboard import charts, data
 
     built = []
-    original = charts.timeline_figure
-    monkeypatch.setattr(charts, "timeline_figure", lambda *a, **k: built.append(1) or original(*a, **k))
+    original = charts.timeline_json
+    monkeypatch.setattr(charts, "timeline_json", lambda *a, **k: built.append(1) or original(*a, **k))
     data.timeline_spec.clear()
     db, run_id = str(real_run_dir.db), int(real_run_dir.one("SELECT MAX(run_id) FROM runs"))
     version = data.run_version(db, run_id)

@@ -92,3 +92,51 @@ def test_a_file_that_fails_validation_is_rejected_once_until_it_changes(tiny, tm
         assert len(rejections(rows)) == 1 and "max_prefill_tokens" in rejections(rows)[0].reason
     finally:
         watcher.stop()
+
+
+def test_the_telemetry_store_traffic_beside_the_file_never_reaches_the_observer(tmp_path):
+    """The run directory also holds the WAL store: the engine writes its -wal ~20 times a second and
+    an open dashboard opens and closes it ~15 times a second. None of that may be delivered to the
+    observer (each event cost its threads CPU while the engine was blocked), yet an atomic replace
+    of the levers file still wakes a waiting loop at once, and an in-place edit is still seen."""
+    import sqlite3
+
+    path = tmp_path / "levers.json"
+    write_levers_file(path, 1, defaults())
+    watcher = LeverWatcher(path, defaults())
+    try:
+        assert watcher.poll(defaults()) is None          # the first read: defaults, nothing to change
+        store = sqlite3.connect(tmp_path / "telemetry.db")
+        store.execute("PRAGMA journal_mode=WAL")
+        store.execute("CREATE TABLE ticks (tick INTEGER)")
+        (tmp_path / "engine.log").touch()
+        time.sleep(0.3)
+        assert watcher.handler is not None
+        at_start = watcher.handler.num_events            # the files' creation: once per run
+        for tick in range(40):                           # the writer's commits
+            store.execute("INSERT INTO ticks VALUES (?)", [tick])
+            store.commit()
+            reader = sqlite3.connect(f"file:{tmp_path / 'telemetry.db'}?mode=ro", uri=True)
+            reader.execute("SELECT COUNT(*) FROM ticks").fetchone()   # the dashboard's reads
+            reader.close()
+            with open(tmp_path / "engine.log", "a") as log_file:      # log lines
+                log_file.write(f"tick {tick}\n")
+        time.sleep(0.3)
+        assert watcher.handler.num_events == at_start, \
+            f"{watcher.handler.num_events - at_start} events from the store's traffic reached the observer"
+        store.close()
+        watcher.poll(defaults())                         # the creations above flagged the directory
+
+        write_levers_file(path, 2, defaults().replace(max_prefill_tokens=64))   # tmp + os.replace
+        assert watcher.wait_for_change(5.0), "an atomic replace of the levers file did not wake the loop"
+        update = watcher.poll(defaults())
+        assert update is not None and update.values.max_prefill_tokens == 64
+
+        time.sleep(0.05)      # a later mtime than the replace's
+        path.write_text('{"version": 3, "levers": {"max_prefill_tokens": 32}}')   # an editor, in place
+        current, deadline = update.values, time.monotonic() + 5.0
+        while (update := watcher.poll(current)) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert update is not None and update.values.max_prefill_tokens == 32
+    finally:
+        watcher.stop()

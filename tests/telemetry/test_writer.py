@@ -163,3 +163,34 @@ def test_mark_crashed_runs_uses_pid_liveness(db_path):
 def test_mark_crashed_runs_on_missing_db(tmp_path):
     assert mark_crashed_runs(tmp_path / "none.db") == []
     assert not (tmp_path / "none.db").exists()
+
+
+def test_an_idle_writer_stops_checkpointing_once_the_wal_is_copied_back(db_path):
+    """A blocked or idle engine writes nothing: a checkpoint a second would only burn CPU beside the
+    dashboard's readers. One held back by a reader's snapshot is retried until it completes."""
+    writer = TelemetryWriter(db_path, flush_interval_s=0.01, checkpoint_interval_s=0.02)
+    try:
+        writer.start_run(make_run_started())
+        reader = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
+        reader.execute("BEGIN")
+        reader.execute("SELECT COUNT(*) FROM ticks").fetchone()       # a snapshot: frames it sees stay
+        for i in range(20):
+            writer.emit(ev.Tick(tick=i, t_ns=i))
+        assert writer.flush()
+        time.sleep(0.2)
+        held_back = writer.num_checkpoints
+        time.sleep(0.2)
+        assert writer.num_checkpoints > held_back, "a checkpoint a reader held back was not retried"
+        reader.rollback()
+        reader.close()
+        time.sleep(0.2)                    # the retry now copies everything back
+        settled = writer.num_checkpoints
+        time.sleep(0.4)                    # ~20 intervals with nothing written
+        assert writer.num_checkpoints == settled, \
+            f"{writer.num_checkpoints - settled} checkpoints while nothing was written"
+        writer.emit(ev.Tick(tick=99, t_ns=99))
+        assert writer.flush()
+        time.sleep(0.2)
+        assert writer.num_checkpoints > settled        # new rows: checkpointed again
+    finally:
+        writer.close()
