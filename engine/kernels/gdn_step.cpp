@@ -14,6 +14,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "avx2_math.h"
+
 #include <vector>
 
 namespace {
@@ -70,35 +72,12 @@ void head_step(float* S, const float* q, const float* k, const float* v, float g
     }
 }
 
-// exp(x) for 8 floats (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial in r,
-// 2^n through the exponent bits; within ~2 ulp of expf). Inputs are clamped to +-88.38, where
-// expf leaves the normal range: exp of less comes out 0, which SiLU below does not mind.
-inline __m256 exp256(__m256 x) {
-    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-88.3762626647949f));
-    const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 in two parts: r stays exact
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
-}
-
-inline __m256 silu256(__m256 x) {
-    return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), x))));
-}
-
 // x = SiLU(x) in place: 8 lanes at a time (a scalar expf per channel was ~10 us per 1,024-channel
 // row, about a third of a batch-8 layer's native step on an AVX2 EPYC).
 void silu_inplace(float* x, int64_t n) {
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, silu256(_mm256_loadu_ps(x + i)));
-    for (; i < n; ++i) x[i] = x[i] / (1.0f + expf(-x[i]));
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, avx2::silu(_mm256_loadu_ps(x + i)));
+    for (; i < n; ++i) x[i] = avx2::silu(x[i]);
 }
 
 // x * rsqrt(sum(x^2) + 1e-6) * scale, as gdn.py's _l2norm (then the query's Dk^-0.5).
@@ -134,7 +113,7 @@ void gates_row(const float* a, const float* b, const float* neg_rate, const floa
     for (int64_t h = 0; h < heads; ++h) {
         const float x = a[h] + dt_bias[h];
         g[h] = neg_rate[h] * (x > 20.0f ? x : log1pf(expf(x)));
-        beta[h] = 1.0f / (1.0f + expf(-b[h]));
+        beta[h] = avx2::sigmoid(b[h]);
     }
 }
 
@@ -147,9 +126,9 @@ void gated_rms_norm(float* o, const float* z, const float* weight, float eps, in
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
         const __m256 normed = _mm256_mul_ps(_mm256_loadu_ps(weight + i), _mm256_mul_ps(_mm256_loadu_ps(o + i), f));
-        _mm256_storeu_ps(o + i, _mm256_mul_ps(normed, silu256(_mm256_loadu_ps(z + i))));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(normed, avx2::silu(_mm256_loadu_ps(z + i))));
     }
-    for (; i < n; ++i) o[i] = weight[i] * (o[i] * factor) * (z[i] / (1.0f + expf(-z[i])));
+    for (; i < n; ++i) o[i] = weight[i] * (o[i] * factor) * avx2::silu(z[i]);
 }
 
 struct Gated {  // the raw gate inputs and the output norm, for gdn_decode_gated_f32
