@@ -89,9 +89,10 @@ class FusedLinear:
         return self.skinny and skinny_gemm.applies(x)
 
     def can_pack(self, x: torch.Tensor) -> bool:
-        """Whether ``x`` [T, in] takes the prepacked path."""
+        """Whether ``x`` [T, in] takes the prepacked path (never in a compiled graph: inductor cannot lower
+        oneDNN's opaque packed weight, and serve --compile on failed at start on a prepacked model)."""
         return (self.packed is not None and x.dim() == 2 and x.shape[0] >= min_packed_rows()
-                and x.dtype == self.weight.dtype)
+                and x.dtype == self.weight.dtype and not torch.compiler.is_compiling())
 
     def packed_call(self, x: torch.Tensor, post_op: str = "none", other: torch.Tensor | None = None) -> torch.Tensor:
         """oneDNN GEMM on already bucketed rows (``pad_rows``): [P, in] -> [P, out].
