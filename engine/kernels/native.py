@@ -72,11 +72,24 @@ def load(name: str) -> ctypes.CDLL | None:
     return None
 
 
+def library_path(name: str, compiler: str, source_dir: Path | None = None) -> Path:
+    """Where ``name``'s build lives in the cache: named by the hash of everything that makes it.
+
+    The source, every header beside it (``avx2_math.h`` is shared by all kernels, so a change to
+    it must rebuild each one), the compiler and the flags.
+    """
+    source_dir = SOURCE_DIR if source_dir is None else source_dir
+    digest = hashlib.sha256((source_dir / f"{name}.cpp").read_bytes())
+    for header in sorted(source_dir.glob("*.h")):
+        digest.update(header.name.encode() + b"\0" + header.read_bytes())
+    digest.update(" ".join([compiler, *FLAGS]).encode())
+    return _build_dir() / f"{name}-{digest.hexdigest()[:16]}.so"
+
+
 def _compiled(name: str, compiler: str) -> Path:
-    """The shared library for ``name``, compiled unless the cache already holds this exact source."""
+    """The shared library for ``name``, compiled unless the cache already holds this exact build."""
     source = SOURCE_DIR / f"{name}.cpp"
-    digest = hashlib.sha256(source.read_bytes() + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
-    target = _build_dir() / f"{name}-{digest}.so"
+    target = library_path(name, compiler)
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

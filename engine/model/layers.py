@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels import rms_norm, skinny_gemm
+from engine.model.gate_up import GateUpSiLU
 
 
 # Rows from which a oneDNN-prepacked weight beats MKL's sgemm (measured in the smol prefill on an
@@ -88,9 +89,10 @@ class FusedLinear:
         return self.skinny and skinny_gemm.applies(x)
 
     def can_pack(self, x: torch.Tensor) -> bool:
-        """Whether ``x`` [T, in] takes the prepacked path."""
+        """Whether ``x`` [T, in] takes the prepacked path (never in a compiled graph: inductor cannot lower
+        oneDNN's opaque packed weight, and serve --compile on failed at start on a prepacked model)."""
         return (self.packed is not None and x.dim() == 2 and x.shape[0] >= min_packed_rows()
-                and x.dtype == self.weight.dtype)
+                and x.dtype == self.weight.dtype and not torch.compiler.is_compiling())
 
     def packed_call(self, x: torch.Tensor, post_op: str = "none", other: torch.Tensor | None = None) -> torch.Tensor:
         """oneDNN GEMM on already bucketed rows (``pad_rows``): [P, in] -> [P, out].
@@ -188,7 +190,7 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-        self.fused_gate_up: FusedLinear | None = None
+        self.fused_gate_up: GateUpSiLU | None = None
         self.fused_down: FusedLinear | None = None
         self.packed_gate: FusedLinear | None = None  # prepacked gate / up halves, set by fuse()
         self.packed_up: FusedLinear | None = None
@@ -201,7 +203,7 @@ class SwiGLU(nn.Module):
         separate pass reads and writes the [T, intermediate] activations.
         """
         weight = torch.cat([self.gate_proj.weight, self.up_proj.weight], dim=0)
-        self.fused_gate_up = FusedLinear(weight, prepack=False)
+        self.fused_gate_up = GateUpSiLU(weight, self.intermediate_size, PACKED_MIN_WEIGHT)  # SiLU(gate) * up
         self.fused_down = FusedLinear(self.down_proj.weight)
         gate, up = weight.split(self.intermediate_size)  # views: the packed copies are the only new memory
         # Prefill-only halves: decode rows run the fused weight's skinny GEMM (one copy, not three).
@@ -217,8 +219,7 @@ class SwiGLU(nn.Module):
             act = self.packed_gate.packed_call(padded, "swish")  # [P, intermediate]
             act = self.packed_up.packed_call(padded, "mul", act)
             return self.fused_down.packed_call(act)[:x.shape[0]]
-        gate, up = self.fused_gate_up(x).split(self.intermediate_size, dim=-1)
-        return self.fused_down(F.silu(gate) * up)
+        return self.fused_down(self.fused_gate_up(x))
 
 
 class PartialRotary(nn.Module):
