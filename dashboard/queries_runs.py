@@ -120,7 +120,9 @@ def roofline_by_path(db: Path, run_id: int) -> pd.DataFrame:
     frame = query_df(db, """
         SELECT path, roofline_ns, duration_ns FROM ticks
         WHERE run_id = ? AND path != 'idle' AND roofline_ns IS NOT NULL AND duration_ns > 0
-        ORDER BY id DESC LIMIT ?""", [run_id, ROOFLINE_RECENT_TICKS])
+        ORDER BY t_ns DESC LIMIT ?""", [run_id, ROOFLINE_RECENT_TICKS])
+    # Newest by t_ns, not id: the (run_id, t_ns) index then hands the rows over newest first and
+    # the query stops at the limit; ORDER BY id read every tick of the run and sorted them.
     if frame.empty:
         return pd.DataFrame(columns=ROOFLINE_COLUMNS)
     frame["share"] = frame["roofline_ns"] / frame["duration_ns"]

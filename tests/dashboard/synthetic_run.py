@@ -191,7 +191,9 @@ def simulate(cfg: SimConfig = SimConfig()):
             num_waiting=len(waiting), num_prefilling=int(prefill is not None),
             kv_blocks_used=min(cfg.kv_blocks_total, sum(r.num_blocks() for r in active)),
             kv_blocks_total=cfg.kv_blocks_total, ssm_slots_used=len(active), ssm_slots_total=cfg.ssm_slots_total,
-            num_finished=num_finished)
+            num_finished=num_finished,
+            # a roofline share of 20-80 % by tick (no rng draw: the other values stay as they were)
+            roofline_ns=duration * (20 + (tick * 37) % 61) // 100)
         now += duration + 30_000
         tick += 1
 

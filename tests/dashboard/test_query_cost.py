@@ -35,6 +35,7 @@ def count_steps(monkeypatch):
     monkeypatch.setattr(queries_live, "ITL_SAMPLE_TOKENS", 1_000)
     monkeypatch.setattr(queries_live, "RECENT_REQUESTS", 100)
     monkeypatch.setattr(queries_live, "ITL_RECENT_TOKENS", 1_000)
+    monkeypatch.setattr(queries_runs, "ROOFLINE_RECENT_TICKS", 500)
     real_connect = dashboard_db.connect_ro
 
     def measure(fn, *args) -> int:
@@ -80,14 +81,15 @@ def _live_prefix_strip(path, run_id):
 
 
 @pytest.mark.parametrize("view", ["run_metrics", "latency_whole_run", "latency_recent", "chunk_page",
-                                  "live_prefix_strip"])
+                                  "live_prefix_strip", "roofline_by_path"])
 def test_whole_run_views_do_not_scale_with_the_run(stores, count_steps, view):
     (small, small_id), (large, large_id) = stores["small"], stores["large"]
     assert _row_count(large, "ticks") > 3.5 * _row_count(small, "ticks")     # the run really is ~4x longer
     fn = {"run_metrics": queries_runs.run_metrics,
           "latency_whole_run": lambda p, r: queries_live.latency_percentiles(p, r, is_recent=False),
           "latency_recent": queries_live.latency_percentiles,
-          "chunk_page": _chunk_page, "live_prefix_strip": _live_prefix_strip}[view]
+          "chunk_page": _chunk_page, "live_prefix_strip": _live_prefix_strip,
+          "roofline_by_path": queries_runs.roofline_by_path}[view]
     small_steps, large_steps = count_steps(fn, small, small_id), count_steps(fn, large, large_id)
     assert large_steps < 1.25 * small_steps, (view, small_steps, large_steps)
 
