@@ -61,32 +61,43 @@ def why_unavailable(cpu_flags: set[str], compiler: str | None) -> str | None:
 @functools.cache
 def load(name: str) -> ctypes.CDLL | None:
     """The compiled ``<name>.cpp`` of this package, or None (logged once) where it cannot be built."""
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    reason = why_unavailable(_cpu_flags(), compiler)
+    cxx = compiler()
+    reason = why_unavailable(_cpu_flags(), cxx)
     if reason is None:
         try:
-            return ctypes.CDLL(str(_compiled(name, compiler)))
+            return ctypes.CDLL(str(_compiled(name, cxx)))
         except (OSError, subprocess.SubprocessError) as error:
             reason = f"build failed: {str(error).strip()[:300]}"
     log.warning("native kernel %s unavailable (%s): using the torch path", name, reason)
     return None
 
 
+def compiler() -> str | None:
+    """The C++ compiler: $CXX, else g++ or c++ on PATH, else None."""
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
 def _compiled(name: str, compiler: str) -> Path:
     """The shared library for ``name``, compiled unless the cache already holds this exact source."""
-    source = SOURCE_DIR / f"{name}.cpp"
-    digest = hashlib.sha256(source.read_bytes() + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
-    target = _build_dir() / f"{name}-{digest}.so"
+    return build_library(name, [SOURCE_DIR / f"{name}.cpp"], compiler, FLAGS)
+
+
+def build_library(stem: str, sources: list[Path], compiler: str, flags: list[str], key: str = "") -> Path:
+    """``sources`` compiled and linked with ``flags`` into ``<stem>-<hash>.so`` under the cache, unless
+    the cache holds it already; the hash covers every source's bytes, the compiler, the flags and ``key``."""
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in sources)
+                            + " ".join([compiler, *flags] + ([key] if key else [])).encode()).hexdigest()[:16]
+    target = _build_dir() / f"{stem}-{digest}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: a concurrent process never opens a half-written file.
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        result = subprocess.run([compiler, *FLAGS, "-o", str(built), str(source)], capture_output=True,
-                                text=True, timeout=120)
+        command = [compiler, *[str(source) for source in sources], *flags, "-o", str(built)]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
             raise subprocess.SubprocessError(result.stderr or f"{compiler} exited {result.returncode}")
         os.replace(built, target)
-    log.info("native kernel %s built: %s", name, target)
+    log.info("native kernel %s built: %s", stem, target)
     return target

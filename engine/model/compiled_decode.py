@@ -29,6 +29,7 @@ import torch
 
 from engine.kernels import custom_ops
 from engine.model.batch import DecodeGroup, ForwardBatch
+from engine.model.layers import fused_linears
 
 log = logging.getLogger("chunkscope.compile")
 
@@ -117,6 +118,9 @@ class CompiledDecode:
             raise ValueError("the compiled decode step needs a KV store and SSM pool with scratch space")
         self.model, self.kv_store, self.ssm_pool = model, kv_store, ssm_pool
         custom_ops.load_kernels()  # the native kernels the graph calls as custom ops, built before any trace
+        if custom_ops.native_gemm_ready():  # every decode GEMM through the C++ skinny operator
+            for linear in fused_linears(model):
+                linear.pack_for_compiled_decode()
         self.block_size, self.settings, self.device = block_size, settings, device
         # One cache entry per bucket on the same function: dynamo's per-function limit (8) would send
         # the widest buckets back to eager without a word, so it is raised to fit them all twice over.
