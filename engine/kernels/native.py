@@ -72,6 +72,18 @@ def load(name: str) -> ctypes.CDLL | None:
     return None
 
 
+@functools.cache
+def bind(name: str, symbol: str, argtypes: tuple, restype=None):
+    """``symbol`` of the compiled ``<name>.cpp`` with its C signature set, or None where the library
+    cannot be built (``load`` logs why, once). Built on the first call, then cached."""
+    lib = load(name)
+    if lib is None:
+        return None
+    function = getattr(lib, symbol)
+    function.argtypes, function.restype = list(argtypes), restype
+    return function
+
+
 def compiler() -> str | None:
     """The C++ compiler: $CXX, else g++ or c++ on PATH, else None."""
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
