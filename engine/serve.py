@@ -34,7 +34,8 @@ from engine.workload.request import RequestSpec
 from engine.workload_feed import WorkloadFeed
 from telemetry.levers import defaults, from_env
 from telemetry.engine_status import StatusReporter
-from telemetry.writer import TelemetryWriteError, TelemetryWriter, mark_crashed_runs
+from telemetry.crashed_runs import mark_crashed_runs
+from telemetry.writer import TelemetryWriteError, TelemetryWriter
 from telemetry import events as ev
 from telemetry import cli_args
 from telemetry.cli_args import bounded_float, bounded_int

@@ -40,7 +40,7 @@ import sqlite_utils
 
 from telemetry import run_totals, schema
 from telemetry.events import RunStarted
-from telemetry.procs import is_pid_alive
+from telemetry.wal_checkpoint import WalCheckpointer
 
 log = logging.getLogger("telemetry.writer")
 # One statement per batch: the run row's counters and its whole-run totals.
@@ -80,7 +80,6 @@ class TelemetryWriter:
         self._queue_size = queue_size
         self._max_batch = max_batch
         self._flush_interval_s = flush_interval_s
-        self._checkpoint_interval_s = checkpoint_interval_s
         self._wal_limit_bytes = wal_limit_bytes
         self._busy_timeout_ms = busy_timeout_ms
         self._max_backoff_s = max_backoff_s
@@ -90,10 +89,7 @@ class TelemetryWriter:
         self._wake = threading.Event()
         self._db: sqlite_utils.Database | None = None
         self._retry: list[Any] = []            # batch that failed, retried first
-        self._last_checkpoint = time.monotonic()
-        self._batches_at_checkpoint = 0        # flushed_batches when the last checkpoint ran
-        self._wal_copied = False               # that checkpoint copied every WAL frame (no reader held it)
-        self.num_checkpoints = 0               # periodic checkpoints run (none while nothing is written)
+        self._checkpointer = WalCheckpointer(self.db_path, checkpoint_interval_s, wal_limit_bytes)
         self._thread = threading.Thread(target=self._loop, name="telemetry-writer", daemon=True)
         self._thread.start()
 
@@ -306,60 +302,13 @@ class TelemetryWriter:
                 db.execute("UPDATE runs SET status = ?, finished_at = ?, writer_wait_ns = ?, num_dropped = ?, "
                            "writer_error = ? WHERE run_id = ?",
                            [status, time.time(), self.writer_wait_ns, self.num_dropped, self.last_error, self.run_id])
-        self._checkpoint(mode="TRUNCATE")
+        self._checkpointer.run(db.conn, mode="TRUNCATE")
         db.close()
         self._db = None
 
     def _maybe_checkpoint(self) -> None:
-        if time.monotonic() - self._last_checkpoint < self._checkpoint_interval_s:
-            return
-        # Nothing committed since a checkpoint that copied the whole WAL back: there is nothing to do,
-        # and a checkpoint per second of a blocked or idle engine only burns CPU beside the readers.
-        if self.flushed_batches != self._batches_at_checkpoint or not self._wal_copied:
-            self._batches_at_checkpoint = self.flushed_batches
-            self._wal_copied = self._checkpoint()
-            self.num_checkpoints += 1
-        self._last_checkpoint = time.monotonic()
+        self._checkpointer.maybe_run(None if self._db is None else self._db.conn, self.flushed_batches)
 
-    def _checkpoint(self, mode: str | None = None) -> bool:
-        """PASSIVE normally; TRUNCATE once the -wal grows past wal_limit_bytes (readers poll meanwhile).
-        True when every WAL frame is now in the database file."""
-        if self._db is None:
-            return False
-        if mode is None:
-            try:
-                wal_bytes = os.path.getsize(self.db_path + "-wal")
-            except OSError:
-                wal_bytes = 0
-            mode = "TRUNCATE" if wal_bytes > self._wal_limit_bytes else "PASSIVE"
-        try:
-            is_busy, wal_frames, copied_frames = self._db.execute(f"PRAGMA wal_checkpoint({mode})").fetchone()
-        except sqlite3.Error as exc:  # a busy checkpoint is retried next interval
-            log.debug("wal_checkpoint(%s) skipped: %s", mode, exc)
-            return False
-        return not is_busy and copied_frames == wal_frames
-
-
-def mark_crashed_runs(db_path: str | os.PathLike) -> list[int]:
-    """Mark runs left ``running`` by a dead process on this host as ``crashed``; returns their ids.
-
-    Call at engine start. A run whose pid is alive (another engine) is left alone;
-    runs from another host cannot be checked and are left alone too.
-    """
-    path = os.fspath(db_path)
-    if not os.path.exists(path) or os.path.getsize(path) == 0:
-        return []
-    db = sqlite_utils.Database(sqlite3.connect(path))
-    try:
-        schema.configure_connection(db)
-        schema.ensure_schema(db)
-        here = socket.gethostname()
-        rows = db.execute("SELECT run_id, pid, hostname FROM runs WHERE status = 'running'").fetchall()
-        crashed = [run_id for run_id, pid, host in rows
-                   if host == here and pid is not None and pid != os.getpid() and not is_pid_alive(pid)]
-        with db.atomic():
-            for run_id in crashed:
-                db.execute("UPDATE runs SET status = 'crashed' WHERE run_id = ?", [run_id])
-        return crashed
-    finally:
-        db.close()
+    @property
+    def num_checkpoints(self) -> int:
+        return self._checkpointer.num_checkpoints

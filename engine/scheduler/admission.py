@@ -5,7 +5,11 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from engine.grammar.spec import GrammarSpec
+from engine.request_features import RequestFeatures
+from engine.scheduler.request import Request
 from engine.scheduler.sampling import SamplingParams
+from telemetry import events as ev
 
 
 class RequestRejected(ValueError):
@@ -48,3 +52,30 @@ def check_prompt(prompt_tokens: Sequence[Any], *, vocab_size: int, max_context: 
             f"prompt_tokens: {len(tokens)} prompt + {max_tokens} max_tokens need {needed_blocks} KV blocks, "
             f"more than the whole cache ({num_usable_blocks} blocks of {block_size} tokens)")
     return tokens
+
+
+def rejected_request(request_id: int, prompt_tokens: Any, sampling: Any, features: Any, grammar: Any, *,
+                     vocab_size: int, now_ns: int, tick: int, conversation_id: int | None) -> Request:
+    """The ended request for one that failed its checks, kept as the client sent it, so its row
+    shows what was asked and a replay rejects it for the same reason (the caller marks it rejected)."""
+    request = Request(request_id, [], parse_sampling({}, vocab_size), now_ns, tick, conversation_id)
+    request.sampling_record = dict(sampling) if isinstance(sampling, dict) else {}
+    request.prompt_tokens = [t for t in prompt_tokens if isinstance(t, int)] if isinstance(
+        prompt_tokens, (list, tuple)) else []
+    if isinstance(grammar, dict):
+        request.grammar_spec = recorded_spec(grammar)
+    request.features_record = features.to_dict() if isinstance(features, RequestFeatures) else \
+        dict(features) if isinstance(features, dict) else {}
+    if isinstance(features, RequestFeatures):   # an API request stays one in its row
+        request.features = features
+    return request
+
+
+def mark_rejected(request: Request, message: str) -> None:
+    request.status, request.error, request.finish_reason = ev.REQ_REJECTED, message, "error"
+    request.finished_ns = request.arrival_ns
+
+
+def recorded_spec(raw: dict) -> GrammarSpec:
+    """A rejected request's grammar as the client sent it, kept for its row (and a replay)."""
+    return GrammarSpec(str(raw.get("kind")), raw.get("value"), bool(raw.get("after_think", False)))

@@ -15,11 +15,11 @@ from engine.cache.ssm_pool import SSMPoolExhausted
 from engine.model.roofline import MachineRates
 from engine.model.runner import ModelRunner
 from engine.grammar.masks import MaskStats
-from engine.grammar.spec import GrammarSpec
 from engine.request_features import RequestFeatures
 from engine.scheduler import decode_step, grammar_step, prefill_step, prefix_step
 from engine.scheduler.adaptive import StructureTokens, region_of
-from engine.scheduler.admission import RequestRejected, check_prompt, parse_sampling
+from engine.scheduler.admission import (RequestRejected, check_prompt, mark_rejected, parse_sampling,
+                                        recorded_spec, rejected_request)
 from engine.scheduler.mixing import SPEC_MTP
 from engine.scheduler.request import Request
 from engine.spec.spec_support import speculation_rejection
@@ -157,23 +157,10 @@ class Scheduler:
                                   max_context=self.max_context, num_usable_blocks=bm.num_blocks,
                                   block_size=bm.block_size, max_tokens=params.max_tokens)
         except RequestRejected as exc:
-            request = Request(request_id, [], parse_sampling({}, self.runner.vocab_size),
-                              self.now_ns(), self.tick, conversation_id)
-            # The record keeps what the client sent, so a replay rejects it for the same reason.
-            request.sampling_record = dict(sampling) if isinstance(sampling, dict) else {}
-            request.prompt_tokens = [t for t in prompt_tokens if isinstance(t, int)] if isinstance(
-                prompt_tokens, (list, tuple)) else []
-            if grammar is not None and isinstance(grammar, dict):
-                request.grammar_spec = _recorded_spec(grammar)
-            request.features_record = features.to_dict() if isinstance(features, RequestFeatures) else \
-                dict(features) if isinstance(features, dict) else {}
-            if isinstance(features, RequestFeatures):   # an API request stays one in its row
-                request.features = features
-            request.status, request.error, request.finish_reason = ev.REQ_REJECTED, str(exc), "error"
-            request.finished_ns = request.arrival_ns
-            self.mark_done([request])
-            self.emit_request(request, "rejected", str(exc))
-            return request
+            request = rejected_request(request_id, prompt_tokens, sampling, features, grammar,
+                                       vocab_size=self.runner.vocab_size, now_ns=self.now_ns(), tick=self.tick,
+                                       conversation_id=conversation_id)
+            return self._reject(request, str(exc))
         request = Request(request_id, tokens, params, self.now_ns(), self.tick, conversation_id, feats)
         request.region = region_of(tokens, self.structure_tokens)
         if grammar is not None:
@@ -181,14 +168,16 @@ class Scheduler:
                 grammar_step.attach(self, request, grammar, grammar_ready_tick)
             except RequestRejected as exc:
                 if request.grammar_spec is None:   # kept as sent, so a replay rejects it the same way
-                    request.grammar_spec = _recorded_spec(grammar if isinstance(grammar, dict) else {"kind": grammar})
-                request.status, request.error, request.finish_reason = ev.REQ_REJECTED, str(exc), "error"
-                request.finished_ns = request.arrival_ns
-                self.mark_done([request])
-                self.emit_request(request, "rejected", str(exc))
-                return request
+                    request.grammar_spec = recorded_spec(grammar if isinstance(grammar, dict) else {"kind": grammar})
+                return self._reject(request, str(exc))
         self.waiting.append(request)
         self.emit_request(request, "arrived")
+        return request
+
+    def _reject(self, request: Request, message: str) -> Request:
+        mark_rejected(request, message)
+        self.mark_done([request])
+        self.emit_request(request, "rejected", message)
         return request
 
     def _check_features(self, features: RequestFeatures | dict | None) -> RequestFeatures:
@@ -334,7 +323,3 @@ class Scheduler:
         for request in ([self.prefilling] if self.prefilling else []) + list(self.active):
             self.cancel(request.request_id, reason)
 
-
-def _recorded_spec(raw: dict) -> GrammarSpec:
-    """A rejected request's grammar as the client sent it, kept for its row (and a replay)."""
-    return GrammarSpec(str(raw.get("kind")), raw.get("value"), bool(raw.get("after_think", False)))

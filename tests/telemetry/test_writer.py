@@ -8,7 +8,8 @@ import time
 import pytest
 
 from telemetry import events as ev
-from telemetry.writer import TelemetryWriteError, TelemetryWriter, mark_crashed_runs
+from telemetry.crashed_runs import mark_crashed_runs
+from telemetry.writer import TelemetryWriteError, TelemetryWriter
 
 from telemetry_factories import make_run_started
 

@@ -7,7 +7,7 @@ import sys
 import time
 
 from telemetry.reader import TelemetryReader
-from telemetry.writer import mark_crashed_runs
+from telemetry.crashed_runs import mark_crashed_runs
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "writer_child.py")
 NUM_ROWS = 1_000_000
