@@ -40,11 +40,14 @@ _LIB.define("gdn_decode_gated(Tensor mixed, Tensor(a!) conv_pool, Tensor(b!) rec
 _ready = {"attention": False, "gdn": False, "torch_ops": False, "skinny_gemm": False}
 
 
-def load_kernels() -> dict[str, bool]:
-    """Build / open the kernels the ops call (eagerly, before any trace); which of them are ready."""
+def load_kernels(cpu_operators: bool = True) -> dict[str, bool]:
+    """Build / open the kernels the ops call (eagerly, before any trace); which of them are ready.
+
+    ``cpu_operators=False`` (a step on a GPU) skips building the C++ operators: no graph would call them.
+    """
     _ready["attention"] = paged_attention.available()
     _ready["gdn"] = gdn_step.available()
-    _ready["torch_ops"] = _ready["attention"] and _ready["gdn"] and torch_ops.available()
+    _ready["torch_ops"] = cpu_operators and _ready["attention"] and _ready["gdn"] and torch_ops.available()
     # The skinny GEMM is single-threaded: with more torch threads the graph keeps the library GEMMs,
     # which split the work (decided here: dynamo cannot trace torch.get_num_threads()).
     _ready["skinny_gemm"] = _ready["torch_ops"] and skinny_gemm.ENABLED and torch.get_num_threads() == 1

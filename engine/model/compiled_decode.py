@@ -142,7 +142,8 @@ class CompiledDecode:
         if kv_store.scratch_block_id is None or ssm_pool.scratch_slot_id is None:
             raise ValueError("the compiled decode step needs a KV store and SSM pool with scratch space")
         self.model, self.kv_store, self.ssm_pool = model, kv_store, ssm_pool
-        custom_ops.load_kernels()  # the native kernels the graph calls as custom ops, built before any trace
+        # The native kernels the graph calls as custom ops, built before any trace.
+        custom_ops.load_kernels(cpu_operators=torch.device(device).type == "cpu")
         if custom_ops.native_gemm_ready():  # every decode GEMM through the C++ skinny operator
             for linear in fused_linears(model):
                 linear.pack_for_compiled_decode()
