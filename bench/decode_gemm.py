@@ -6,7 +6,10 @@ Part 1 multiplies [B, 576] inputs by 30 distinct 3072x576 fp32 weights (212 MB t
 than the caches hold, so each is streamed from memory as in a SmolLM-size decode step) through
 each kind: MKL sgemm, MKL packed sgemm, oneDNN's prepacked copy and the native skinny GEMM
 (engine/kernels/skinny_gemm.cpp, on its own packed copy), interleaved round by round, and
-prints GB/s of weight streamed (best of rounds, thread CPU time). Part 2 (``--step``) times the
+prints GB/s of weight streamed (best of rounds, thread CPU time). The weights are SmolLM's fused
+gate/up shape, so two more kinds time the MLP's first half as the engine ran it before and runs
+it now: the skinny GEMM then split + SiLU * up in torch, and the fused SwiGLU kernel
+(engine/kernels/swiglu_gemm.py: SiLU and the product on the accumulators, one call). Part 2 (``--step``) times the
 whole SmolLM-size decode step, interleaved step by step, four ways: MKL sgemm only (no decode
 prepacking, no native kernels), oneDNN decode prepacking, + the fused native GDN step and RMSNorm,
 + the native skinny GEMM (the engine's default where the kernels build).
@@ -20,7 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import native, skinny_gemm
+from engine.kernels import native, skinny_gemm, swiglu_gemm
 from engine.model.cpu_features import cpu_flags, cpu_model, isa_summary
 
 NUM_WEIGHTS, OUT, IN = 30, 3072, 576
@@ -41,8 +44,14 @@ def gemm_kinds(batches: list[int], rounds: int) -> None:
     total_bytes = NUM_WEIGHTS * OUT * IN * 4
     has_skinny = skinny_gemm.available()
     skinny = [skinny_gemm.pack(w) for w in weights] if has_skinny else []
+    swiglu = [swiglu_gemm.pack(w, OUT // 2) for w in weights] if has_skinny else []
     if not has_skinny:
-        print("native skinny GEMM unavailable here (see the log line): its column is left out")
+        print("native skinny GEMM unavailable here (see the log line): its columns are left out")
+
+    def split_silu_mul(y: torch.Tensor) -> torch.Tensor:
+        gate, up = y.split(OUT // 2, dim=-1)
+        return F.silu(gate) * up
+
     for batch in batches:
         x = torch.randn(batch, IN)
         kinds = {
@@ -52,6 +61,8 @@ def gemm_kinds(batches: list[int], rounds: int) -> None:
         }
         if has_skinny and batch <= skinny_gemm.MAX_ROWS:
             kinds["native skinny"] = lambda: [skinny_gemm.linear(x, p, OUT) for p in skinny]
+            kinds["skinny+silu*up"] = lambda: [split_silu_mul(skinny_gemm.linear(x, p, OUT)) for p in skinny]
+            kinds["fused swiglu"] = lambda: [swiglu_gemm.swiglu(x, p, OUT // 2) for p in swiglu]
         best: dict[str, float] = {}
         for _ in range(rounds):
             for kind, fn in kinds.items():

@@ -89,27 +89,45 @@ def compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
+def library_path(name: str, compiler: str, source_dir: Path | None = None) -> Path:
+    """Where ``name``'s build lives in the cache: named by the hash of everything that makes it.
+
+    The source, every header beside it (``avx2_math.h`` is shared by all kernels, so a change to
+    it must rebuild each one), the compiler and the flags.
+    """
+    source_dir = SOURCE_DIR if source_dir is None else source_dir
+    return hashed_path(name, [source_dir / f"{name}.cpp"], compiler, FLAGS, source_dir)
+
+
+def hashed_path(stem: str, sources: list[Path], compiler: str, flags: list[str], header_dir: Path,
+                key: str = "") -> Path:
+    """``<cache>/kernels/<stem>-<hash>.so``, the hash over the sources, every header in ``header_dir``,
+    the compiler, the flags and ``key``."""
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in sources))
+    for header in sorted(header_dir.glob("*.h")):
+        digest.update(header.name.encode() + b"\0" + header.read_bytes())
+    digest.update(" ".join([compiler, *flags] + ([key] if key else [])).encode())
+    return _build_dir() / f"{stem}-{digest.hexdigest()[:16]}.so"
+
+
 def _compiled(name: str, compiler: str) -> Path:
-    """The shared library for ``name``, compiled unless the cache already holds this exact source."""
-    return build_library(name, [SOURCE_DIR / f"{name}.cpp"], compiler, FLAGS)
+    """The shared library for ``name``, compiled unless the cache already holds this exact build."""
+    return build_library(library_path(name, compiler), [SOURCE_DIR / f"{name}.cpp"], compiler, FLAGS)
 
 
-def build_library(stem: str, sources: list[Path], compiler: str, flags: list[str], key: str = "") -> Path:
-    """``sources`` compiled and linked with ``flags`` into ``<stem>-<hash>.so`` under the cache, unless
-    the cache holds it already; the hash covers every source's bytes, the compiler, the flags and ``key``."""
-    digest = hashlib.sha256(b"".join(source.read_bytes() for source in sources)
-                            + " ".join([compiler, *flags] + ([key] if key else [])).encode()).hexdigest()[:16]
-    target = _build_dir() / f"{stem}-{digest}.so"
+def build_library(target: Path, sources: list[Path], compiler: str, flags: list[str]) -> Path:
+    """``sources`` compiled and linked with ``flags`` into ``target``, unless it exists already."""
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: a concurrent process never opens a half-written file.
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
+        # Sources before the flags: libraries named by -l must follow the objects that use them.
         command = [compiler, *[str(source) for source in sources], *flags, "-o", str(built)]
         result = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
             raise subprocess.SubprocessError(result.stderr or f"{compiler} exited {result.returncode}")
         os.replace(built, target)
-    log.info("native kernel %s built: %s", stem, target)
+    log.info("native kernel %s built: %s", target.stem.rsplit("-", 1)[0], target)
     return target

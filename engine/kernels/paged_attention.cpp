@@ -12,49 +12,17 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "avx2_math.h"
+
 #include <vector>
 
 namespace {
-
-inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-// The horizontal sums of eight vectors as one vector [sum(a0), .., sum(a7)].
-inline __m256 hsum8(const __m256* a) {
-    const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
-    const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
-    const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
-    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
-}
-
-// exp(x) for 8 lanes (Cephes' expf: range reduction by ln 2, degree-5 polynomial; relative error
-// ~1e-7, as libm's expf; inputs below -87 give 0). Scores after subtracting the max are <= 0.
-inline __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.0f));
-    __m256 fx = _mm256_round_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)),
-                                _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2));
-}
 
 inline float dot(const float* a, const float* b, int64_t n) {
     int64_t i = 0;
     __m256 acc = _mm256_setzero_ps();
     for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    float sum = hsum(acc);
+    float sum = avx2::hsum(acc);
     for (; i < n; ++i) sum += a[i] * b[i];
     return sum;
 }
@@ -71,7 +39,7 @@ void scores_row(const float* q, const float* keys, const int64_t* offsets, int64
                 const __m256 qv = _mm256_loadu_ps(q + d);
                 for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys + offsets[t + j] + d), acc[j]);
             }
-            _mm256_storeu_ps(s + t, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
+            _mm256_storeu_ps(s + t, _mm256_mul_ps(avx2::hsum8(acc), _mm256_set1_ps(scale)));
         }
     }
     for (; t < n; ++t) s[t] = dot(q, keys + offsets[t], dim) * scale;
@@ -85,11 +53,11 @@ void softmax(float* s, int64_t n) {
     __m256 total8 = _mm256_setzero_ps();
     int64_t t = 0;
     for (; t + 8 <= n; t += 8) {
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), top8));
+        const __m256 e = avx2::exp(_mm256_sub_ps(_mm256_loadu_ps(s + t), top8));
         _mm256_storeu_ps(s + t, e);
         total8 = _mm256_add_ps(total8, e);
     }
-    float total = hsum(total8);
+    float total = avx2::hsum(total8);
     for (; t < n; ++t) {
         s[t] = expf(s[t] - top);
         total += s[t];
@@ -112,7 +80,7 @@ void gate_row(float* o, const float* gate, int64_t n) {
     int64_t i = 0;
     const __m256 one = _mm256_set1_ps(1.0f);
     for (; i + 8 <= n; i += 8) {
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_loadu_ps(gate + i)));
+        const __m256 e = avx2::exp(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_loadu_ps(gate + i)));
         _mm256_storeu_ps(o + i, _mm256_div_ps(_mm256_loadu_ps(o + i), _mm256_add_ps(one, e)));
     }
     for (; i < n; ++i) o[i] *= 1.0f / (1.0f + expf(-gate[i]));

@@ -8,14 +8,9 @@
 #include <math.h>
 #include <stdint.h>
 
-namespace {
+#include "avx2_math.h"
 
-inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+namespace {
 
 void norm_row(const float* x, const float* scale, float* y, int64_t dim, float eps) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
@@ -29,7 +24,7 @@ void norm_row(const float* x, const float* scale, float* y, int64_t dim, float e
         const __m256 a = _mm256_loadu_ps(x + i);
         acc0 = _mm256_fmadd_ps(a, a, acc0);
     }
-    float sum = hsum(_mm256_add_ps(acc0, acc1));
+    float sum = avx2::hsum(_mm256_add_ps(acc0, acc1));
     for (; i < dim; ++i) sum += x[i] * x[i];
     const float inv = 1.0f / sqrtf(sum / (float)dim + eps);
     const __m256 inv_v = _mm256_set1_ps(inv);

@@ -1,4 +1,4 @@
-"""The native decode kernels as C++ torch operators (torch_ops.cpp): ``torch.ops.chunkscope_native.*``.
+"""The native decode kernels as C++ torch operators (cpp_ops/torch_ops.cpp): ``torch.ops.chunkscope_native.*``.
 
 Built once (g++ against torch's headers, ~15 s; cached by content hash beside the ctypes kernels,
 ``native.build_library``) and loaded with ``torch.ops.load_library``. A compiled decode step
@@ -22,7 +22,9 @@ from engine.kernels import native
 log = logging.getLogger("chunkscope.kernels")
 
 NAMESPACE = "chunkscope_native"
-# The kernels compiled into the library beside the operator definitions.
+# The operator definitions (in a folder of their own: the kernel sources beside native.py are each
+# built alone), and the kernels compiled into the same library.
+SOURCE = native.SOURCE_DIR / "cpp_ops" / "torch_ops.cpp"
 KERNEL_SOURCES = ("skinny_gemm", "gdn_step", "paged_attention")
 
 
@@ -40,10 +42,11 @@ def available() -> bool:
     cxx = native.compiler()
     reason = native.why_unavailable(native._cpu_flags(), cxx)
     if reason is None:
-        sources = [native.SOURCE_DIR / "torch_ops.cpp"] + [native.SOURCE_DIR / f"{n}.cpp" for n in KERNEL_SOURCES]
+        sources = [SOURCE] + [native.SOURCE_DIR / f"{name}.cpp" for name in KERNEL_SOURCES]
         try:
             # The torch version is in the key: the library links against this torch's ABI.
-            library = native.build_library("torch_ops", sources, cxx, _flags(), key=torch.__version__)
+            target = native.hashed_path("torch_ops", sources, cxx, _flags(), native.SOURCE_DIR, key=torch.__version__)
+            library = native.build_library(target, sources, cxx, _flags())
             torch.ops.load_library(str(library))
             _register_fakes()
             return True
@@ -58,6 +61,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake(f"{NAMESPACE}::skinny_linear")
     def _skinny_linear_fake(x, packed, bias, out_cols):
         return x.new_empty(x.shape[0], out_cols)
+
+    @torch.library.register_fake(f"{NAMESPACE}::swiglu_linear")
+    def _swiglu_linear_fake(x, packed, intermediate):
+        return x.new_empty(x.shape[0], intermediate)
 
     @torch.library.register_fake(f"{NAMESPACE}::gdn_decode_gated")
     def _gdn_fake(mixed, conv_pool, rec_pool, layer, conv_weight, slots, a, b, neg_rate, dt_bias, z, norm_weight,

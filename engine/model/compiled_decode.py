@@ -30,7 +30,7 @@ import torch
 
 from engine.kernels import custom_ops
 from engine.model.batch import DecodeGroup, ForwardBatch
-from engine.model.layers import fused_linears
+from engine.model.layers import decode_projections
 
 log = logging.getLogger("chunkscope.compile")
 
@@ -145,8 +145,8 @@ class CompiledDecode:
         # The native kernels the graph calls as custom ops, built before any trace.
         custom_ops.load_kernels(cpu_operators=torch.device(device).type == "cpu")
         if custom_ops.native_gemm_ready():  # every decode GEMM through the C++ skinny operator
-            for linear in fused_linears(model):
-                linear.pack_for_compiled_decode()
+            for projection in decode_projections(model):
+                projection.pack_for_compiled_decode()
         self.block_size, self.settings, self.device = block_size, settings, device
         # One cache entry per bucket on the same function: dynamo's per-function limit (8) would send
         # the widest buckets back to eager without a word, so it is raised to fit them all twice over.

@@ -78,6 +78,7 @@ class GatedDeltaNet(nn.Module):
         self.fused_in: FusedLinear | None = None
         self.fused_out: FusedLinear | None = None
         self.decay_rate: tuple[torch.Tensor, torch.Tensor] | None = None  # (-exp(A_log), dt_bias), fuse()
+        self.conv_weight: torch.Tensor | None = None  # [conv_dim, K] view of the conv weight, fuse()
 
     def fuse(self) -> None:
         """One GEMM for the four input projections (qkv, z, b, a)."""
@@ -86,6 +87,8 @@ class GatedDeltaNet(nn.Module):
         self.fused_out = FusedLinear(self.out_proj.weight)
         # The decay constants in float32, so the hot path does not recompute exp(A_log) per forward.
         self.decay_rate = (-self.A_log.detach().float().exp(), self.dt_bias.detach().float())
+        # A view (same storage): the per-forward slice + select of the parameter cost two dispatches.
+        self.conv_weight = self.conv1d.weight.detach()[:, 0, :]
 
     def _project(self, x: torch.Tensor):
         sizes = [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads]
@@ -98,7 +101,7 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = self._project(x)  # [T, conv_dim], [T, value_dim], [T, Hv], [T, Hv]
         conv_states = pool.conv[self.linear_index]  # [S, conv_dim, K-1]
         rec_states = pool.recurrent[self.linear_index]  # [S, Hv, Dk, Dv]
-        weight = self.conv1d.weight[:, 0, :]  # [conv_dim, K]
+        weight = self.conv_weight if self.conv_weight is not None else self.conv1d.weight[:, 0, :]  # [conv_dim, K]
         neg_rate, dt_bias = self.decay_rate or (-self.A_log.float().exp(), self.dt_bias.float())
         pieces = []  # [rows, value_dim] normed outputs: prefill rows, then decode rows
 
@@ -126,26 +129,28 @@ class GatedDeltaNet(nn.Module):
 
         if batch.decode is not None:
             group = batch.decode
-            rows = mixed[split:]  # [B, C]
+            if split:  # the decode rows follow the chunk's
+                mixed, z, b, a = mixed[split:], z[split:], b[split:], a[split:]
+            rows = mixed  # [B, C]
             # The native step computes the gates and the output norm itself (fp32); a compiled graph
             # calls it as a custom op on the whole pools.
             if torch.compiler.is_compiling():
                 normed = custom_ops.gdn_decode_gated_traced(
-                    rows, pool.conv, pool.recurrent, self.linear_index, weight, group.ssm_slots, a[split:], b[split:],
-                    neg_rate, dt_bias, z[split:], self.norm.weight, self.norm.eps, self.num_k_heads, self.head_k_dim,
+                    rows, pool.conv, pool.recurrent, self.linear_index, weight, group.ssm_slots, a, b,
+                    neg_rate, dt_bias, z, self.norm.weight, self.norm.eps, self.num_k_heads, self.head_k_dim,
                     self.head_v_dim)
             else:
-                normed = gdn_step.decode_gated(rows, conv_states, weight, rec_states, group.ssm_slots, a[split:],
-                                               b[split:], neg_rate, dt_bias, z[split:], self.norm.weight,
+                normed = gdn_step.decode_gated(rows, conv_states, weight, rec_states, group.ssm_slots, a,
+                                               b, neg_rate, dt_bias, z, self.norm.weight,
                                                self.norm.eps, self.num_k_heads, self.head_k_dim, self.head_v_dim)
             if normed is None:
-                g_rows, beta_rows = self._gates(a[split:], b[split:], neg_rate, dt_bias)  # [B, Hv] each
+                g_rows, beta_rows = self._gates(a, b, neg_rate, dt_bias)  # [B, Hv] each
                 out = gdn_step.decode(rows, conv_states, weight, rec_states, group.ssm_slots, g_rows, beta_rows,
                                       self.num_k_heads, self.head_k_dim, self.head_v_dim)
                 if out is None:
                     out = self._decode_rows(rows, g_rows, beta_rows, conv_states, rec_states, group.ssm_slots,
                                             group.slot_range, pool)
-                normed = self._norm(out, z[split:], x.dtype)
+                normed = self._norm(out, z, x.dtype)
             pieces.append(normed)  # [B, value_dim]
 
         core = torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]  # [T, value_dim]

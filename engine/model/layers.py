@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels import custom_ops, rms_norm, skinny_gemm
+from engine.model.gate_up import GateUpSiLU
 
 
 # Rows from which a oneDNN-prepacked weight beats MKL's sgemm (measured in the smol prefill on an
@@ -108,9 +109,10 @@ class FusedLinear:
                 and x.device.type == "cpu")
 
     def can_pack(self, x: torch.Tensor) -> bool:
-        """Whether ``x`` [T, in] takes the prepacked path."""
+        """Whether ``x`` [T, in] takes the prepacked path (never in a compiled graph: inductor cannot lower
+        oneDNN's opaque packed weight, and serve --compile on failed at start on a prepacked model)."""
         return (self.packed is not None and x.dim() == 2 and x.shape[0] >= min_packed_rows()
-                and x.dtype == self.weight.dtype)
+                and x.dtype == self.weight.dtype and not torch.compiler.is_compiling())
 
     def packed_call(self, x: torch.Tensor, post_op: str = "none", other: torch.Tensor | None = None) -> torch.Tensor:
         """oneDNN GEMM on already bucketed rows (``pad_rows``): [P, in] -> [P, out].
@@ -135,12 +137,12 @@ class FusedLinear:
         return self.packed_call(pad_rows(x))[:x.shape[0]]
 
 
-def fused_linears(model: nn.Module) -> list[FusedLinear]:
-    """Every FusedLinear the modules of ``model`` hold (once each, in module order)."""
-    found: dict[int, FusedLinear] = {}
+def decode_projections(model: nn.Module) -> list[FusedLinear | GateUpSiLU]:
+    """Every FusedLinear and GateUpSiLU the modules of ``model`` hold (once each, in module order)."""
+    found: dict[int, FusedLinear | GateUpSiLU] = {}
     for module in model.modules():
         for value in vars(module).values():
-            if isinstance(value, FusedLinear):
+            if isinstance(value, (FusedLinear, GateUpSiLU)):
                 found.setdefault(id(value), value)
     return list(found.values())
 
@@ -220,7 +222,7 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-        self.fused_gate_up: FusedLinear | None = None
+        self.fused_gate_up: GateUpSiLU | None = None
         self.fused_down: FusedLinear | None = None
         self.packed_gate: FusedLinear | None = None  # prepacked gate / up halves, set by fuse()
         self.packed_up: FusedLinear | None = None
@@ -233,7 +235,7 @@ class SwiGLU(nn.Module):
         separate pass reads and writes the [T, intermediate] activations.
         """
         weight = torch.cat([self.gate_proj.weight, self.up_proj.weight], dim=0)
-        self.fused_gate_up = FusedLinear(weight, prepack=False)
+        self.fused_gate_up = GateUpSiLU(weight, self.intermediate_size, PACKED_MIN_WEIGHT)  # SiLU(gate) * up
         self.fused_down = FusedLinear(self.down_proj.weight)
         gate, up = weight.split(self.intermediate_size)  # views: the packed copies are the only new memory
         # Prefill-only halves: decode rows run the fused weight's skinny GEMM (one copy, not three).
@@ -249,8 +251,7 @@ class SwiGLU(nn.Module):
             act = self.packed_gate.packed_call(padded, "swish")  # [P, intermediate]
             act = self.packed_up.packed_call(padded, "mul", act)
             return self.fused_down.packed_call(act)[:x.shape[0]]
-        gate, up = self.fused_gate_up(x).split(self.intermediate_size, dim=-1)
-        return self.fused_down(F.silu(gate) * up)
+        return self.fused_down(self.fused_gate_up(x))
 
 
 class PartialRotary(nn.Module):

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import custom_ops, native, skinny_gemm
+from engine.kernels import custom_ops, native, skinny_gemm, swiglu_gemm
 from engine.model.compiled_decode import CompileSettings
-from engine.model.layers import FusedLinear, fused_linears
+from engine.model.layers import FusedLinear, decode_projections
 from engine.model.loader import load_model
 from engine.model.runner import ModelRunner
 from engine.sequence import SequenceState
@@ -42,11 +42,24 @@ def test_skinny_linear_equals_the_ctypes_kernel_and_the_library(rows, inner, col
 
 
 @needs_ops
+@pytest.mark.parametrize("rows, inner, intermediate", [(1, 128, 384), (8, 64, 20), (32, 128, 384)])
+def test_swiglu_linear_equals_the_ctypes_kernel_and_the_torch_path(rows, inner, intermediate, monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    x, gate_up, _ = _skinny_inputs(rows, inner, 2 * intermediate, seed=1)
+    packed = swiglu_gemm.pack(gate_up, intermediate)
+    got = ops.swiglu_linear(x, packed, intermediate)
+    assert torch.equal(got, swiglu_gemm.swiglu(x, packed, intermediate))
+    gate, up = F.linear(x, gate_up).split(intermediate, dim=-1)
+    torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+
+@needs_ops
 def test_ops_pass_torch_opcheck():
     """Schemas (declared mutations), the fake implementations and functionalization, as torch checks them."""
     x, weight, bias = _skinny_inputs(4, 64, 40)
     checks = ("test_schema", "test_faketensor", "test_aot_dispatch_static")
     torch.library.opcheck(ops.skinny_linear.default, (x, skinny_gemm.pack(weight), bias, 40), test_utils=checks)
+    torch.library.opcheck(ops.swiglu_linear.default, (x, swiglu_gemm.pack(weight, 20), 20), test_utils=checks)
     torch.library.opcheck(ops.paged_decode_attention.default, _attention_inputs(), test_utils=checks)
     torch.library.opcheck(ops.gdn_decode_gated.default, _gdn_inputs(), test_utils=checks)
 
@@ -102,20 +115,25 @@ def test_a_compiled_step_packs_each_decode_weight_once_and_calls_the_cpp_operato
     runner = ModelRunner(tiny, num_kv_blocks=16, num_ssm_slots=3, compile=CompileSettings("eager", buckets=(2,)))
     runner.compiled_decode._compiled = torch.compile(runner.compiled_decode._decode, backend=recording_backend,
                                                      dynamic=False)
-    linears = [linear for linear in fused_linears(tiny) if linear.decode_rows]
-    packed = {id(linear): linear.skinny_packed for linear in linears}
-    assert linears and all(p is not None for p in packed.values())
+    def packed_copy(projection):
+        return projection.skinny_packed if isinstance(projection, FusedLinear) else projection.packed
+
+    projections = [p for p in decode_projections(tiny) if getattr(p, "decode_rows", True)]
+    packed = {id(p): packed_copy(p) for p in projections}
+    assert projections and all(p is not None for p in packed.values())
     ModelRunner(tiny, num_kv_blocks=16, num_ssm_slots=3, compile=CompileSettings("eager", buckets=(2,)))
-    assert all(linear.skinny_packed is packed[id(linear)] for linear in linears)  # no second copy
+    assert all(packed_copy(p) is packed[id(p)] for p in projections)  # no second copy
     seqs = [SequenceState(i) for i in range(2)]
     for seq in seqs:
         runner.admit(seq)
         runner.prefill_chunk(seq, [3, 4, 5], 0, 3, True)
     runner.decode(seqs, [1, 2])
     code = "\n".join(graphs)
-    # Every GEMM (4 per layer and the LM head), each GDN step and the attention: C++ operators.
+    # Every GEMM (3 per layer and the LM head; the MLP's gate/up with its SiLU product), each GDN step
+    # and the attention: C++ operators.
     layers = tiny.config.num_hidden_layers
-    assert code.count("chunkscope_native.skinny_linear") == 4 * layers + 1
+    assert code.count("chunkscope_native.skinny_linear") == 3 * layers + 1
+    assert code.count("chunkscope_native.swiglu_linear") == layers
     assert code.count("chunkscope_native.gdn_decode_gated") == len(tiny.config.linear_attention_layers)
     assert code.count("chunkscope_native.paged_decode_attention") == len(tiny.config.full_attention_layers)
     assert "torch.ops.chunkscope." not in code

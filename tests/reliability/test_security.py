@@ -46,7 +46,7 @@ VETTED = {
     ("telemetry/snapshot.py", "parts"): "UNION of constant SELECTs over EVENT_TABLES",
     ("telemetry/snapshot.py", "'_'.join(columns)"): "schema.INDEXES constant",
     ("telemetry/snapshot.py", "', '.join((f'[{c}]' for c in columns))"): "schema.INDEXES constant",
-    ("telemetry/writer.py", "mode"): "PASSIVE or TRUNCATE, chosen in _checkpoint",
+    ("telemetry/wal_checkpoint.py", "mode"): "PASSIVE or TRUNCATE, chosen in WalCheckpointer.run",
     ("telemetry/run_totals.py", "_STORED_COLUMNS"): "join of REQUEST_COLUMNS (constant)",
     ("telemetry/run_totals.py", "marks"): "'?' marks only, one per bound request id",
     ("telemetry/writer.py", "run_totals.UPDATE_SET"): "'col = col + ?' over the TOTALS column constants",

@@ -7,7 +7,7 @@
 // the same checks are a few C++ comparisons. The kernels are the existing sources, compiled into
 // this library beside this file and called through their extern "C" functions (declared below:
 // keep them in step with the sources; tests/engine/test_torch_ops.py compares every op with the
-// ctypes path). Schemas as engine/kernels/custom_ops.py's Python ops, plus skinny_linear.
+// ctypes path). Schemas as engine/kernels/custom_ops.py's Python ops, plus skinny_linear and swiglu_linear.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -19,6 +19,8 @@
 extern "C" {
 void packed_gemm_f32(const float* x, int64_t ldx, const float* packed, const float* bias, float* y, int64_t ldy,
                      int64_t m_rows, int64_t n_cols, int64_t k);
+void swiglu_gemm_f32(const float* x, int64_t ldx, const float* packed, float* y, int64_t ldy, int64_t m_rows,
+                     int64_t inter, int64_t k);
 void gdn_decode_gated_f32(const float* mixed, int64_t ld_mixed, float* conv_states, const float* conv_weight,
                           int64_t kernel, float* rec_states, const int64_t* slots, const float* a, const float* b,
                           int64_t ld_ab, const float* neg_rate, const float* dt_bias, const float* z, int64_t ld_z,
@@ -66,6 +68,22 @@ at::Tensor skinny_linear(const at::Tensor& x_in, const at::Tensor& packed, const
     if (rows > 0)
         packed_gemm_f32(x.data_ptr<float>(), x.stride(0), packed.data_ptr<float>(), bias_ptr, y.data_ptr<float>(),
                         out_cols, rows, out_cols, inner);
+    return y;
+}
+
+// SiLU(x @ G^T) * (x @ U^T) -> [M, I] from packed = swiglu_gemm.pack(gate_up, I) [ceil(I / 8), K, 16].
+at::Tensor swiglu_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t intermediate) {
+    TORCH_CHECK(x_in.dim() == 2 && is_f32_cpu(x_in) && is_f32_cpu(packed), "swiglu_linear: x must be float32 CPU [M, K]");
+    const at::Tensor x = unit_inner(x_in);
+    const int64_t rows = x.size(0), inner = x.size(1), pair = kPanelCols / 2;
+    TORCH_CHECK(packed.dim() == 3 && packed.size(0) == (intermediate + pair - 1) / pair && packed.size(1) == inner &&
+                    packed.size(2) == kPanelCols && packed.is_contiguous(),
+                "swiglu_linear: packed ", packed.sizes(), " does not fit x ", x.sizes(), " and ", intermediate,
+                " columns");
+    at::Tensor y = at::empty({rows, intermediate}, x.options());
+    if (rows > 0)
+        swiglu_gemm_f32(x.data_ptr<float>(), x.stride(0), packed.data_ptr<float>(), y.data_ptr<float>(), intermediate,
+                        rows, intermediate, inner);
     return y;
 }
 
@@ -167,6 +185,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& new_
 
 TORCH_LIBRARY(chunkscope_native, m) {
     m.def("skinny_linear(Tensor x, Tensor packed, Tensor? bias, int out_cols) -> Tensor");
+    m.def("swiglu_linear(Tensor x, Tensor packed, int intermediate) -> Tensor");
     m.def("gdn_decode_gated(Tensor mixed, Tensor(a!) conv_pool, Tensor(b!) rec_pool, int layer, Tensor conv_weight, "
           "Tensor slots, Tensor a, Tensor b, Tensor neg_rate, Tensor dt_bias, Tensor z, Tensor norm_weight, "
           "float eps, int num_k_heads, int key_dim, int value_dim) -> Tensor");
@@ -176,6 +195,7 @@ TORCH_LIBRARY(chunkscope_native, m) {
 
 TORCH_LIBRARY_IMPL(chunkscope_native, CPU, m) {
     m.impl("skinny_linear", &skinny_linear);
+    m.impl("swiglu_linear", &swiglu_linear);
     m.impl("gdn_decode_gated", &gdn_decode_gated);
     m.impl("paged_decode_attention", &paged_decode_attention);
 }

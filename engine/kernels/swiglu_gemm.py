@@ -1,0 +1,64 @@
+"""SwiGLU's gate/up half for decode-sized rows: ``SiLU(x @ G^T) * (x @ U^T)`` in one native call (skinny_gemm.cpp).
+
+The gate and up weights are packed once into shared panels (8 gate columns beside their 8 up
+columns, [ceil(I / 8), K, 16]); the kernel streams them once per call and applies SiLU and the
+product to its accumulators: the torch path's [M, 2I] projection, split, SiLU and product (four
+dispatches and two passes over the activations per layer) are gone. Rows and threads as
+``skinny_gemm.applies``; None wherever it does not run, and the caller keeps its torch path.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from engine.kernels import native, skinny_gemm
+
+PAIR_COLS = skinny_gemm.PANEL_COLS // 2  # gate (and up) columns per panel
+
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_fns = None
+_loaded = False
+
+
+def available() -> bool:
+    """Whether the kernel is built and loaded (builds it on first call; False, logged once, where it cannot)."""
+    global _fns, _loaded
+    if not _loaded:
+        lib = native.load("skinny_gemm")
+        if lib is not None:
+            gemm, pack_fn = lib.swiglu_gemm_f32, lib.pack_swiglu_weight_f32
+            gemm.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64]
+            pack_fn.argtypes = [_PTR, _I64, _I64, _I64, _PTR]
+            gemm.restype = pack_fn.restype = None
+            _fns = gemm, pack_fn
+        _loaded = True
+    return _fns is not None
+
+
+def pack(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor | None:
+    """gate_up [2I, K] float32 CPU (the gate rows, then the up rows) -> packed [ceil(I / 8), K, 16], or None here.
+
+    None too while the skinny GEMM is off (CHUNKSCOPE_SKINNY_GEMM=0, CHUNKSCOPE_NATIVE_KERNELS=0).
+    """
+    if not (gate_up.dim() == 2 and gate_up.shape[0] == 2 * intermediate and gate_up.dtype == torch.float32
+            and gate_up.device.type == "cpu" and gate_up.stride(1) == 1 and skinny_gemm.ENABLED
+            and native.enabled() and available()):
+        return None
+    inner = gate_up.shape[1]
+    packed = gate_up.new_empty(-(-intermediate // PAIR_COLS), inner, skinny_gemm.PANEL_COLS)
+    _fns[1](gate_up.data_ptr(), gate_up.stride(0), intermediate, inner, packed.data_ptr())
+    return packed
+
+
+def swiglu(x: torch.Tensor, packed: torch.Tensor, intermediate: int) -> torch.Tensor | None:
+    """x [M, K] -> SiLU(gate) * up [M, I] from ``packed = pack(gate_up, I)``; None where the kernel does not apply."""
+    if not (skinny_gemm.applies(x) and available()):
+        return None
+    rows, inner = x.shape
+    if (packed.dim() != 3 or packed.shape != (-(-intermediate // PAIR_COLS), inner, skinny_gemm.PANEL_COLS)
+            or not packed.is_contiguous() or packed.dtype != torch.float32):
+        raise ValueError(f"swiglu: x {tuple(x.shape)}, packed {tuple(packed.shape)} for {intermediate} columns do not fit")
+    y = x.new_empty(rows, intermediate)  # [M, I]
+    _fns[0](x.data_ptr(), x.stride(0), packed.data_ptr(), y.data_ptr(), y.stride(0), rows, intermediate, inner)
+    return y
