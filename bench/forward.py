@@ -10,15 +10,21 @@ limit). Decode rows also time the step's GEMMs alone (every projection and the L
 the engine runs them, on random inputs): the share those reach bounds any forward built on
 the same GEMM kernels. ``--json`` prints the same as one object on stdout.
 
-The machine is shared, so every measurement is interleaved: each of our forwards is preceded by
-a probe of the machine rates (one square GEMM, one read pass: ``RateProbe``) and followed by
-the transformers forward of the same kind. Times and the transformers ratio are medians. Each
-row's roofline share takes the same statistic on both sides: the best of the N probes taken
-right before its N forwards (the highest rates the machine showed then, so the bar is never
-lowered) against the best of those forwards;
-the median-against-median share and the spread of both are printed beside it, so one noisy
-probe (read bandwidth moved 10.5 -> 15.4 GB/s between two runs a minute apart) cannot move
-the share by itself.
+The machine is shared, so every measurement is interleaved, and both sides get identical
+conditions. Each round, per forward kind, runs one **block** per side, ours then transformers',
+and each block starts right after a probe of the machine rates (one square GEMM, one read pass:
+``RateProbe``), which also evicts both models' working sets from the caches. A decode block is
+``1 + --steps`` consecutive steps, as a serving loop runs decode (tick after tick): its first
+step, right after the probe, is the **cold** step (caches, TLB and branch predictors full of the
+probe's data; printed and in the JSON as ``ours_cold_ms`` / ``theirs_cold_ms`` / ``ratio_cold``),
+and the ``--steps`` steps after it are the **steady** state that ``ours_ms`` / ``theirs_ms`` /
+``ratio`` report. A prefill block is one prefill (the cold case is what a prefill sees). Times
+and ratios are medians over the rounds. Each row's roofline share takes the same statistic on
+both sides: the best of the probes taken before that row's blocks (the highest rates the machine
+showed then, so the bar is never lowered) against the best steady forward (``roofline_share``;
+``roofline_share_cold`` against the best cold one); the median-against-median share and the
+spread of both are printed beside it, so one noisy probe (read bandwidth moved 10.5 -> 15.4 GB/s
+between two runs a minute apart) cannot move the share by itself.
 
     python bench/forward.py [--models tiny,smol] [--rounds 3] [--steps 4] [--threads 1]
                             [--dtype auto|float32|bfloat16] [--no-hf] [--clock wall|cpu] [--no-prepack]
@@ -34,22 +40,28 @@ import argparse
 import builtins
 import functools
 import json
+import os
 import statistics
 import sys
 import time
 
-import torch
+# The repository root first (as a script, bench/ leads sys.path): bench.forward_report resolves either way.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.model.compiled_decode import CompileSettings, bucket_for, resolve_compile, use_persistent_cache
-from engine.model.config import ModelConfig
-from engine.model.cpu_features import cpu_flags, cpu_model, isa_summary, resolve_dtype
-from engine.model.layers import FusedLinear
-from engine.model.loader import load_model
-from engine.model.qwen3_5 import Qwen35ForCausalLM
-from engine.model.roofline import ForwardCost, MachineRates, RateProbe, best_rates, forward_cost
-from engine.model.runner import ModelRunner
-from engine.model.tiny import cache_root, random_init
-from engine.sequence import SequenceState
+import torch  # noqa: E402
+
+from engine.model.compiled_decode import CompileSettings, bucket_for, resolve_compile, use_persistent_cache  # noqa: E402
+from engine.model.config import ModelConfig  # noqa: E402
+from engine.model.cpu_features import cpu_flags, cpu_model, isa_summary, resolve_dtype  # noqa: E402
+from engine.model.layers import FusedLinear  # noqa: E402
+from engine.model.loader import load_model  # noqa: E402
+from engine.model.qwen3_5 import Qwen35ForCausalLM  # noqa: E402
+from engine.model.roofline import ForwardCost, MachineRates, RateProbe, forward_cost  # noqa: E402
+from engine.model.runner import ModelRunner  # noqa: E402
+from engine.model.tiny import cache_root, random_init  # noqa: E402
+from engine.sequence import SequenceState  # noqa: E402
+
+from bench.forward_report import result_row, row_text  # noqa: E402
 
 SMOL = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                    num_attention_heads=9, num_key_value_heads=3, head_dim=64,
@@ -173,11 +185,12 @@ def gemm_floor_seconds(linears: list[FusedLinear], batch: int, dtype: torch.dtyp
 
 def bench_model(name: str, dtype: torch.dtype, rounds: int, steps: int, with_hf: bool,
                 compile: CompileSettings | None = None) -> list[dict]:
-    """Interleaved rounds of ours / transformers / the machine rates; one result row per forward kind."""
+    """Interleaved rounds of probe + our block / probe + their block per forward kind; one result row per kind."""
     model = build(name, dtype)
     weight_bytes = torch.finfo(dtype).bits // 8
     prompt = [(i * 37) % model.config.vocab_size for i in range(PROMPT_LEN)]
-    ours, theirs = Ours(model, (rounds + 1) * steps, compile), (Theirs(model) if with_hf else None)
+    ours = Ours(model, 1 + len(BATCHES) * rounds * (1 + steps), compile)
+    theirs = Theirs(model) if with_hf else None
     compile_s = None
     if ours.runner.compiled_decode is not None:
         compile_s = ours.compile_decode()
@@ -186,81 +199,45 @@ def bench_model(name: str, dtype: torch.dtype, rounds: int, steps: int, with_hf:
     ours.decode_step(1)
     if theirs:
         theirs.decode_step(1)
-    times: dict[str, list[float]] = {}
-    rates: dict[str, list[MachineRates]] = {}  # per forward kind: the probes taken right before its forwards
+    times: dict[str, list[float]] = {}  # "ours b8" (steady steps), "ours b8 cold", "gemms b8", ...
+    rates: dict[str, list[MachineRates]] = {}  # per forward kind: the probes taken before its blocks
     probe = RateProbe(dtype, clock=CLOCK)
     linears = decode_linears(model)
 
-    def record(key: str, value: float) -> None:
-        times.setdefault(key, []).append(value)
-
-    def ours_sample(key: str, forward) -> None:
-        """A rate probe right before each of our forwards: both see the same moment of the machine."""
-        rates.setdefault(key, []).append(probe.sample())
-        record(key, forward())
+    def block(side: str, key: str, forward, steady_steps: int) -> None:
+        """``steps`` probes (the last right before the block: both sides start from the same evicted
+        caches), then one cold forward and ``steady_steps`` back-to-back ones."""
+        rates.setdefault(key, []).extend(probe.sample() for _ in range(steps))
+        times.setdefault(f"{side} {key} cold", []).append(forward())
+        times.setdefault(f"{side} {key}", []).extend(forward() for _ in range(steady_steps))
 
     for _ in range(rounds):
-        ours_sample("ours prefill", lambda: ours.prefill(prompt))
+        block("ours", "prefill", lambda: ours.prefill(prompt), 0)
         if theirs:
-            record("theirs prefill", theirs.prefill(prompt))
+            block("theirs", "prefill", lambda: theirs.prefill(prompt), 0)
         for batch in BATCHES:
-            for _ in range(steps):  # alternate step by step so a load spike hits both sides
-                ours_sample(f"ours b{batch}", lambda: ours.decode_step(batch))
-                if theirs:
-                    record(f"theirs b{batch}", theirs.decode_step(batch))
-            record(f"gemms b{batch}", gemm_floor_seconds(linears, batch, dtype))
-    median = {key: statistics.median(values) for key, values in times.items()}
-    best = {key: min(values) for key, values in times.items()}
-    # The same statistic on both sides of each row's share: the best of the N probes taken right
-    # before that row's N forwards against the best of those forwards (and, beside it, median
-    # against median). Best-of rates are the highest the machine showed, so the roofline is never
-    # a lowered bar, and one slow probe cannot move it.
+            block("ours", f"b{batch}", lambda: ours.decode_step(batch), steps)
+            if theirs:
+                block("theirs", f"b{batch}", lambda: theirs.decode_step(batch), steps)
+            times.setdefault(f"gemms b{batch}", []).append(gemm_floor_seconds(linears, batch, dtype))
+    # A prefill block has no steady part: its one forward is both.
+    for side in ("ours", "theirs"):
+        if f"{side} prefill cold" in times:
+            times[f"{side} prefill"] = times[f"{side} prefill cold"]
     every = [r for samples in rates.values() for r in samples]
     flops = sorted(r.flops_per_s / 1e9 for r in every)
     reads = sorted(r.bytes_per_s / 1e9 for r in every)
-    print(f"[{name}] machine over {len(every)} probes interleaved with our forwards: square GEMM best "
+    print(f"[{name}] machine over {len(every)} probes before the blocks: square GEMM best "
           f"{flops[-1]:.1f} GFLOP/s (median {statistics.median(flops):.1f}, min {flops[0]:.1f}), read best "
           f"{reads[-1]:.1f} GB/s (median {statistics.median(reads):.1f}, min {reads[0]:.1f})")
-    # Decode rows sit after DECODE_CONTEXT prompt tokens plus the steps already taken.
-    context = DECODE_CONTEXT + (rounds * steps) // 2 + 1
+    # Decode rows sit after DECODE_CONTEXT prompt tokens plus about half the steps taken.
+    context = DECODE_CONTEXT + (rounds * (steps + 1)) // 2 + 1
     kinds = [("prefill", 1, "prefill", forward_cost(model.config, weight_bytes, PROMPT_LEN, 0, [], 1))]
     kinds += [("decode", batch, f"b{batch}", decode_cost(model, batch, context, weight_bytes)) for batch in BATCHES]
-    rows = []
-    for row, batch, key, cost in kinds:
-        ours_s, theirs_s = median[f"ours {key}"], median.get(f"theirs {key}")
-        ours_best = best[f"ours {key}"]
-        rate = best_rates(rates[f"ours {key}"])
-        median_rate = MachineRates(statistics.median(r.flops_per_s for r in rates[f"ours {key}"]),
-                                   statistics.median(r.bytes_per_s for r in rates[f"ours {key}"]))
-        roofline_s = rate.seconds(cost)
-        bound = "compute" if cost.flops / rate.flops_per_s >= cost.bytes / rate.bytes_per_s else "memory"
-        rows.append({"model": name, "row": row, "batch": batch, "ours_ms": ours_s * 1e3,
-                     "ours_best_ms": ours_best * 1e3, "ours_max_ms": max(times[f"ours {key}"]) * 1e3,
-                     "compiled": compile_s is not None and row == "decode", "compile_s": compile_s,
-                     "theirs_ms": None if theirs_s is None else theirs_s * 1e3,
-                     "ratio": None if theirs_s is None else theirs_s / ours_s,
-                     "roofline_ms": roofline_s * 1e3, "roofline_share": roofline_s / ours_best,
-                     "gemm_gflops": rate.flops_per_s / 1e9, "read_gbs": rate.bytes_per_s / 1e9,
-                     "roofline_share_median": median_rate.seconds(cost) / ours_s,
-                     "theirs_roofline_share": None if theirs_s is None else roofline_s / best[f"theirs {key}"],
-                     "bound": bound, "gflop": cost.flops / 1e9, "mbytes": cost.bytes / 1e6,
-                     # The decode GEMMs alone: no forward using these kernels can beat this share.
-                     "gemms_only_ms": best[f"gemms {key}"] * 1e3 if row == "decode" else None,
-                     "gemms_only_share": roofline_s / best[f"gemms {key}"] if row == "decode" else None})
+    rows = [result_row(name, row, batch, key, cost, times, rates[key], compile_s)
+            for row, batch, key, cost in kinds]
     for r in rows:
-        theirs_text = "n/a" if r["theirs_ms"] is None else f"{r['theirs_ms']:8.2f} ms"
-        ratio_text = "n/a" if r["ratio"] is None else f"{r['ratio']:5.2f}x"
-        their_share = "n/a" if r["theirs_roofline_share"] is None else f"{r['theirs_roofline_share']:5.1%}"
-        label = f"prefill {PROMPT_LEN}" if r["row"] == "prefill" else f"decode b{r['batch']:<2}"
-        print(f"[{name}] {label:11}: ours {r['ours_ms']:8.2f} ms (best {r['ours_best_ms']:.2f}, max "
-              f"{r['ours_max_ms']:.2f})  transformers {theirs_text}  ratio {ratio_text}  "
-              f"roofline {r['roofline_ms']:7.2f} ms "
-              f"({r['bound']}-bound: {r['gflop']:.2f} GFLOP, {r['mbytes']:.0f} MB; best of its probes "
-              f"{r['gemm_gflops']:.1f} GFLOP/s, {r['read_gbs']:.1f} GB/s)  "
-              f"share ours {r['roofline_share']:5.1%} (median/median {r['roofline_share_median']:5.1%}) "
-              f"transformers {their_share}"
-              + ("" if r["gemms_only_ms"] is None else
-                 f"  | its GEMMs alone {r['gemms_only_ms']:7.2f} ms = {r['gemms_only_share']:5.1%} of the roofline"))
+        print(row_text(name, r, PROMPT_LEN))
     return rows
 
 

@@ -14,6 +14,10 @@ They are defined through ``torch.library.Library`` with a CPU kernel only, not t
 ``fill_defaults`` over the schema) cost ~0.1-0.2 ms per call, more than the tiny model's whole
 attention; a compiled step only ever runs them under inference mode, with no autograd.
 
+Where the C++ operators build (``torch_ops.py``: the same kernels and schemas, namespace
+``chunkscope_native``, registered with C++ CPU kernels), a graph calls those instead: a dispatcher
+hop where these Python kernels cost 30-50 us of argument checks and ctypes marshalling a call.
+
 Each ``*_traced`` function is what a layer calls while dynamo traces: the op where the kernel
 applies (checked on shapes, dtypes and strides only: fake tensors have no data), else None and
 the layer keeps its torch path.
@@ -22,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.kernels import gdn_step, native, paged_attention
+from engine.kernels import gdn_step, native, paged_attention, skinny_gemm, torch_ops
 
 _NS = "chunkscope"
 _LIB = torch.library.Library(_NS, "DEF")  # kept alive: the registrations live as long as it does
@@ -33,14 +37,36 @@ _LIB.define("gdn_decode_gated(Tensor mixed, Tensor(a!) conv_pool, Tensor(b!) rec
             "Tensor norm_weight, float eps, int num_k_heads, int key_dim, int value_dim) -> Tensor")
 # Which kernels loaded, set by ``load_kernels`` before a trace: building or opening a library
 # (file system calls) inside one would break the graph.
-_ready = {"attention": False, "gdn": False}
+_ready = {"attention": False, "gdn": False, "torch_ops": False, "skinny_gemm": False}
 
 
-def load_kernels() -> dict[str, bool]:
-    """Build / open the kernels the ops call (eagerly, before any trace); which of them are ready."""
+def load_kernels(cpu_operators: bool = True) -> dict[str, bool]:
+    """Build / open the kernels the ops call (eagerly, before any trace); which of them are ready.
+
+    ``cpu_operators=False`` (a step on a GPU) skips building the C++ operators: no graph would call them.
+    """
     _ready["attention"] = paged_attention.available()
     _ready["gdn"] = gdn_step.available()
+    _ready["torch_ops"] = cpu_operators and _ready["attention"] and _ready["gdn"] and torch_ops.available()
+    # The skinny GEMM is single-threaded: with more torch threads the graph keeps the library GEMMs,
+    # which split the work (decided here: dynamo cannot trace torch.get_num_threads()).
+    _ready["skinny_gemm"] = _ready["torch_ops"] and skinny_gemm.ENABLED and torch.get_num_threads() == 1
     return dict(_ready)
+
+
+def native_ops_ready() -> bool:
+    """Whether a trace may call ``torch.ops.chunkscope_native`` (built and loaded by ``load_kernels``)."""
+    return _ready["torch_ops"] and native.enabled()
+
+
+def native_gemm_ready() -> bool:
+    """Whether a trace may call ``chunkscope_native::skinny_linear`` for decode-sized rows."""
+    return _ready["skinny_gemm"] and native_ops_ready()
+
+
+def _ops():
+    """The namespace a trace calls: the C++ operators where they loaded, else this module's."""
+    return torch.ops.chunkscope_native if native_ops_ready() else torch.ops.chunkscope
 
 
 # ---- paged decode attention (with the new K/V written first) -------------------------------------
@@ -76,8 +102,8 @@ def paged_decode_attention_traced(q: torch.Tensor, new_keys: torch.Tensor, new_v
     if not (native.enabled() and _ready["attention"] and new_keys.dtype == keys.dtype
             and _attention_fits(q, keys, values, block_tables, context_lens, gate)):
         return None
-    return torch.ops.chunkscope.paged_decode_attention(q, new_keys, new_values, keys, values, kv_slots,
-                                                       block_tables, context_lens, gate)
+    return _ops().paged_decode_attention(q, new_keys, new_values, keys, values, kv_slots, block_tables,
+                                         context_lens, gate)
 
 
 def _attention_fits(q, keys, values, block_tables, context_lens, gate) -> bool:
@@ -130,6 +156,5 @@ def gdn_decode_gated_traced(mixed: torch.Tensor, conv_pool: torch.Tensor, rec_po
             and mixed.dim() == 2 and mixed.shape[1] == conv_pool.shape[2] == conv_weight.shape[0]
             and slots.dtype == torch.long):
         return None
-    return torch.ops.chunkscope.gdn_decode_gated(mixed, conv_pool, rec_pool, layer, conv_weight, slots, a, b,
-                                                 neg_rate, dt_bias, z, norm_weight, eps, num_k_heads, key_dim,
-                                                 value_dim)
+    return _ops().gdn_decode_gated(mixed, conv_pool, rec_pool, layer, conv_weight, slots, a, b, neg_rate, dt_bias,
+                                   z, norm_weight, eps, num_k_heads, key_dim, value_dim)

@@ -15,27 +15,22 @@ import torch
 from engine.kernels import native
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-_fn = None
-_gated_fn = None
-_loaded = False
+_SIGNATURE = (_PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _PTR)
+_GATED_SIGNATURE = (_PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR,
+                    ctypes.c_float, _I64, _I64, _I64, _I64, _I64, _PTR)
+
+
+def _kernel():
+    return native.bind("gdn_step", "gdn_decode_f32", _SIGNATURE)
+
+
+def _gated_kernel():
+    return native.bind("gdn_step", "gdn_decode_gated_f32", _GATED_SIGNATURE)
 
 
 def available() -> bool:
     """Whether the kernel is built and loaded (builds it on first call; False, logged once, where it cannot)."""
-    global _fn, _gated_fn, _loaded
-    if not _loaded:
-        lib = native.load("gdn_step")
-        if lib is not None:
-            _fn = lib.gdn_decode_f32
-            _fn.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64,
-                            _I64, _PTR]
-            _fn.restype = None
-            _gated_fn = lib.gdn_decode_gated_f32
-            _gated_fn.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64,
-                                  _PTR, ctypes.c_float, _I64, _I64, _I64, _I64, _I64, _PTR]
-            _gated_fn.restype = None
-        _loaded = True
-    return _fn is not None
+    return _kernel() is not None and _gated_kernel() is not None
 
 
 def _fits(mixed, conv_states, conv_weight, rec_states, slots, g, beta, num_k_heads, key_dim, value_dim) -> bool:
@@ -68,7 +63,7 @@ def decode(mixed: torch.Tensor, conv_states: torch.Tensor, conv_weight: torch.Te
     batch = mixed.shape[0]
     value_heads = rec_states.shape[1]
     out = mixed.new_empty(batch, value_heads, value_dim)  # [B, Hv, Dv]
-    _fn(mixed.data_ptr(), mixed.stride(0), conv_states.data_ptr(), conv_weight.data_ptr(), conv_weight.shape[1],
+    _kernel()(mixed.data_ptr(), mixed.stride(0), conv_states.data_ptr(), conv_weight.data_ptr(), conv_weight.shape[1],
         rec_states.data_ptr(), slots.data_ptr(), g.data_ptr(), beta.data_ptr(), g.stride(0), batch, num_k_heads,
         value_heads, key_dim, value_dim, out.data_ptr())
     return out
@@ -97,7 +92,7 @@ def decode_gated(mixed: torch.Tensor, conv_states: torch.Tensor, conv_weight: to
             or not available()):
         return None
     out = mixed.new_empty(batch, value_heads * value_dim)  # [B, Hv * Dv]
-    _gated_fn(mixed.data_ptr(), mixed.stride(0), conv_states.data_ptr(), conv_weight.data_ptr(), conv_weight.shape[1],
+    _gated_kernel()(mixed.data_ptr(), mixed.stride(0), conv_states.data_ptr(), conv_weight.data_ptr(), conv_weight.shape[1],
               rec_states.data_ptr(), slots.data_ptr(), a.data_ptr(), b.data_ptr(), a.stride(0), neg_rate.data_ptr(),
               dt_bias.data_ptr(), z.data_ptr(), z.stride(0), norm_weight.data_ptr(), eps, batch, num_k_heads,
               value_heads, key_dim, value_dim, out.data_ptr())

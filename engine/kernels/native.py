@@ -61,15 +61,32 @@ def why_unavailable(cpu_flags: set[str], compiler: str | None) -> str | None:
 @functools.cache
 def load(name: str) -> ctypes.CDLL | None:
     """The compiled ``<name>.cpp`` of this package, or None (logged once) where it cannot be built."""
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    reason = why_unavailable(_cpu_flags(), compiler)
+    cxx = compiler()
+    reason = why_unavailable(_cpu_flags(), cxx)
     if reason is None:
         try:
-            return ctypes.CDLL(str(_compiled(name, compiler)))
+            return ctypes.CDLL(str(_compiled(name, cxx)))
         except (OSError, subprocess.SubprocessError) as error:
             reason = f"build failed: {str(error).strip()[:300]}"
     log.warning("native kernel %s unavailable (%s): using the torch path", name, reason)
     return None
+
+
+@functools.cache
+def bind(name: str, symbol: str, argtypes: tuple, restype=None):
+    """``symbol`` of the compiled ``<name>.cpp`` with its C signature set, or None where the library
+    cannot be built (``load`` logs why, once). Built on the first call, then cached."""
+    lib = load(name)
+    if lib is None:
+        return None
+    function = getattr(lib, symbol)
+    function.argtypes, function.restype = list(argtypes), restype
+    return function
+
+
+def compiler() -> str | None:
+    """The C++ compiler: $CXX, else g++ or c++ on PATH, else None."""
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
 def library_path(name: str, compiler: str, source_dir: Path | None = None) -> Path:
@@ -79,27 +96,38 @@ def library_path(name: str, compiler: str, source_dir: Path | None = None) -> Pa
     it must rebuild each one), the compiler and the flags.
     """
     source_dir = SOURCE_DIR if source_dir is None else source_dir
-    digest = hashlib.sha256((source_dir / f"{name}.cpp").read_bytes())
-    for header in sorted(source_dir.glob("*.h")):
+    return hashed_path(name, [source_dir / f"{name}.cpp"], compiler, FLAGS, source_dir)
+
+
+def hashed_path(stem: str, sources: list[Path], compiler: str, flags: list[str], header_dir: Path,
+                key: str = "") -> Path:
+    """``<cache>/kernels/<stem>-<hash>.so``, the hash over the sources, every header in ``header_dir``,
+    the compiler, the flags and ``key``."""
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in sources))
+    for header in sorted(header_dir.glob("*.h")):
         digest.update(header.name.encode() + b"\0" + header.read_bytes())
-    digest.update(" ".join([compiler, *FLAGS]).encode())
-    return _build_dir() / f"{name}-{digest.hexdigest()[:16]}.so"
+    digest.update(" ".join([compiler, *flags] + ([key] if key else [])).encode())
+    return _build_dir() / f"{stem}-{digest.hexdigest()[:16]}.so"
 
 
 def _compiled(name: str, compiler: str) -> Path:
     """The shared library for ``name``, compiled unless the cache already holds this exact build."""
-    source = SOURCE_DIR / f"{name}.cpp"
-    target = library_path(name, compiler)
+    return build_library(library_path(name, compiler), [SOURCE_DIR / f"{name}.cpp"], compiler, FLAGS)
+
+
+def build_library(target: Path, sources: list[Path], compiler: str, flags: list[str]) -> Path:
+    """``sources`` compiled and linked with ``flags`` into ``target``, unless it exists already."""
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: a concurrent process never opens a half-written file.
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        result = subprocess.run([compiler, *FLAGS, "-o", str(built), str(source)], capture_output=True,
-                                text=True, timeout=120)
+        # Sources before the flags: libraries named by -l must follow the objects that use them.
+        command = [compiler, *[str(source) for source in sources], *flags, "-o", str(built)]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
             raise subprocess.SubprocessError(result.stderr or f"{compiler} exited {result.returncode}")
         os.replace(built, target)
-    log.info("native kernel %s built: %s", name, target)
+    log.info("native kernel %s built: %s", target.stem.rsplit("-", 1)[0], target)
     return target

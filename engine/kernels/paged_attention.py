@@ -21,22 +21,17 @@ class _NewKV(ctypes.Structure):
                 ("ldv_head", _I64), ("slots", _PTR)]
 
 
-_fn = None
-_loaded = False
+_SIGNATURE = (_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64,
+              ctypes.POINTER(_NewKV), _I64, _I64, _I64, _I64, ctypes.c_float, _PTR)
+
+
+def _kernel():
+    return native.bind("paged_attention", "paged_decode_attention_f32", _SIGNATURE, ctypes.c_int)
 
 
 def available() -> bool:
     """Whether the kernel is built and loaded (builds it on first call; False, logged once, where it cannot)."""
-    global _fn, _loaded
-    if not _loaded:
-        lib = native.load("paged_attention")
-        if lib is not None:
-            _fn = lib.paged_decode_attention_f32
-            _fn.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64,
-                            ctypes.POINTER(_NewKV), _I64, _I64, _I64, _I64, ctypes.c_float, _PTR]
-            _fn.restype = ctypes.c_int
-        _loaded = True
-    return _fn is not None
+    return _kernel() is not None
 
 
 def applies(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_tables: torch.Tensor,
@@ -93,7 +88,7 @@ def decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_tabl
         new_keys, new_values, slots = new_kv
         write = ctypes.byref(_NewKV(new_keys.data_ptr(), new_values.data_ptr(), new_keys.stride(0), new_keys.stride(1),
                                     new_values.stride(0), new_values.stride(1), slots.data_ptr()))
-    status = _fn(q.data_ptr(), q.stride(0), q.stride(1), keys.data_ptr(), values.data_ptr(), num_blocks, block_size,
+    status = _kernel()(q.data_ptr(), q.stride(0), q.stride(1), keys.data_ptr(), values.data_ptr(), num_blocks, block_size,
                  block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1], context_lens.data_ptr(),
                  gate_ptr, ldg_row, ldg_head, write, batch, heads, kv_heads, head_dim,
                  head_dim ** -0.5 if scale is None else scale, out.data_ptr())

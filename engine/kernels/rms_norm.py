@@ -15,21 +15,16 @@ from engine.kernels import native
 MAX_ELEMENTS = 1 << 16
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-_fn = None
-_loaded = False
+_SIGNATURE = (_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_float)
+
+
+def _kernel():
+    return native.bind("rms_norm", "rms_norm_f32", _SIGNATURE)
 
 
 def available() -> bool:
     """Whether the kernel is built and loaded (builds it on first call; False, logged once, where it cannot)."""
-    global _fn, _loaded
-    if not _loaded:
-        lib = native.load("rms_norm")
-        if lib is not None:
-            _fn = lib.rms_norm_f32
-            _fn.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_float]
-            _fn.restype = None
-        _loaded = True
-    return _fn is not None
+    return _kernel() is not None
 
 
 def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor | None:
@@ -46,5 +41,5 @@ def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor |
     # As [outer, inner, D] with strides (ld_outer, ld_inner, 1): a 2-dim x is one outer block.
     outer, ld_outer = (x.shape[0], x.stride(0)) if x.dim() == 3 else (1, 0)
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
-    _fn(x.data_ptr(), ld_outer, x.stride(-2), scale.data_ptr(), y.data_ptr(), outer, x.shape[-2], x.shape[-1], eps)
+    _kernel()(x.data_ptr(), ld_outer, x.stride(-2), scale.data_ptr(), y.data_ptr(), outer, x.shape[-2], x.shape[-1], eps)
     return y

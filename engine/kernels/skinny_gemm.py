@@ -25,27 +25,21 @@ MAX_ROWS = 32
 ENABLED = os.environ.get("CHUNKSCOPE_SKINNY_GEMM", "1") != "0"
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-_fns = None
-_loaded = False
+_GEMM_SIGNATURE = (_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64)
+_PACK_SIGNATURE = (_PTR, _I64, _I64, _I64, _PTR)
 
 
-def _functions():
-    lib = native.load("skinny_gemm")
-    if lib is None:
-        return None
-    gemm, pack_fn = lib.packed_gemm_f32, lib.pack_weight_f32
-    gemm.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]
-    pack_fn.argtypes = [_PTR, _I64, _I64, _I64, _PTR]
-    gemm.restype = pack_fn.restype = None
-    return gemm, pack_fn
+def _gemm():
+    return native.bind("skinny_gemm", "packed_gemm_f32", _GEMM_SIGNATURE)
+
+
+def _pack():
+    return native.bind("skinny_gemm", "pack_weight_f32", _PACK_SIGNATURE)
 
 
 def available() -> bool:
     """Whether the kernel is built and loaded (builds it on first call; False, logged once, where it cannot)."""
-    global _fns, _loaded
-    if not _loaded:
-        _fns, _loaded = _functions(), True
-    return _fns is not None
+    return _gemm() is not None and _pack() is not None
 
 
 def applies(x: torch.Tensor) -> bool:
@@ -66,7 +60,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
         return None
     out_cols, inner = weight.shape
     packed = weight.new_empty(-(-out_cols // PANEL_COLS), inner, PANEL_COLS)
-    _fns[1](weight.data_ptr(), weight.stride(0), out_cols, inner, packed.data_ptr())
+    _pack()(weight.data_ptr(), weight.stride(0), out_cols, inner, packed.data_ptr())
     return packed
 
 
@@ -84,6 +78,6 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_cols: int,
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         return None
     y = x.new_empty(rows, out_cols)  # [M, N]
-    _fns[0](x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+    _gemm()(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
             y.data_ptr(), y.stride(0), rows, out_cols, inner)
     return y

@@ -17,23 +17,21 @@ from engine.kernels import native, skinny_gemm
 PAIR_COLS = skinny_gemm.PANEL_COLS // 2  # gate (and up) columns per panel
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-_fns = None
-_loaded = False
+_GEMM_SIGNATURE = (_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64)
+_PACK_SIGNATURE = (_PTR, _I64, _I64, _I64, _PTR)
+
+
+def _gemm():
+    return native.bind("skinny_gemm", "swiglu_gemm_f32", _GEMM_SIGNATURE)
+
+
+def _pack():
+    return native.bind("skinny_gemm", "pack_swiglu_weight_f32", _PACK_SIGNATURE)
 
 
 def available() -> bool:
     """Whether the kernel is built and loaded (builds it on first call; False, logged once, where it cannot)."""
-    global _fns, _loaded
-    if not _loaded:
-        lib = native.load("skinny_gemm")
-        if lib is not None:
-            gemm, pack_fn = lib.swiglu_gemm_f32, lib.pack_swiglu_weight_f32
-            gemm.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64]
-            pack_fn.argtypes = [_PTR, _I64, _I64, _I64, _PTR]
-            gemm.restype = pack_fn.restype = None
-            _fns = gemm, pack_fn
-        _loaded = True
-    return _fns is not None
+    return _gemm() is not None and _pack() is not None
 
 
 def pack(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor | None:
@@ -47,7 +45,7 @@ def pack(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor | None:
         return None
     inner = gate_up.shape[1]
     packed = gate_up.new_empty(-(-intermediate // PAIR_COLS), inner, skinny_gemm.PANEL_COLS)
-    _fns[1](gate_up.data_ptr(), gate_up.stride(0), intermediate, inner, packed.data_ptr())
+    _pack()(gate_up.data_ptr(), gate_up.stride(0), intermediate, inner, packed.data_ptr())
     return packed
 
 
@@ -60,5 +58,5 @@ def swiglu(x: torch.Tensor, packed: torch.Tensor, intermediate: int) -> torch.Te
             or not packed.is_contiguous() or packed.dtype != torch.float32):
         raise ValueError(f"swiglu: x {tuple(x.shape)}, packed {tuple(packed.shape)} for {intermediate} columns do not fit")
     y = x.new_empty(rows, intermediate)  # [M, I]
-    _fns[0](x.data_ptr(), x.stride(0), packed.data_ptr(), y.data_ptr(), y.stride(0), rows, intermediate, inner)
+    _gemm()(x.data_ptr(), x.stride(0), packed.data_ptr(), y.data_ptr(), y.stride(0), rows, intermediate, inner)
     return y

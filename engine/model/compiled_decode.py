@@ -25,10 +25,12 @@ import time
 import types
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.kernels import custom_ops
 from engine.model.batch import DecodeGroup, ForwardBatch
+from engine.model.layers import decode_projections
 
 log = logging.getLogger("chunkscope.compile")
 
@@ -92,6 +94,30 @@ def _own_code(method):
     return types.MethodType(copy, method.__self__)
 
 
+def padded_rows(decodes, bucket: int, block_size: int, scratch_block: int,
+                scratch_slot: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(token, position, block table, ssm slot) per row -> ([tokens, positions, K/V slots, SSM slots],
+    block tables), padded to ``bucket`` rows. A padding row decodes token 0 at position 0 into the
+    scratch block and slot; each table keeps the blocks its context reaches, padded with the scratch
+    block (masked out by the context length) to the widest, at least MIN_BLOCK_COLUMNS wide."""
+    tokens, positions, kv_slots, slots, used = [], [], [], [], []
+    for token, position, table, slot in decodes:
+        block = position // block_size
+        tokens.append(token)
+        positions.append(position)
+        kv_slots.append(table[block] * block_size + position % block_size)
+        slots.append(slot)
+        used.append(table[: block + 1])
+    padding = bucket - len(decodes)
+    tokens += [0] * padding
+    positions += [0] * padding
+    kv_slots += [scratch_block * block_size] * padding
+    slots += [scratch_slot] * padding
+    used += [[scratch_block]] * padding
+    width = max(MIN_BLOCK_COLUMNS, max(len(u) for u in used))
+    return [tokens, positions, kv_slots, slots], [u + [scratch_block] * (width - len(u)) for u in used]
+
+
 def step_tensor_guards(guard_entries) -> list[bool]:
     """Dynamo's guard filter: keep the tensor guards (TENSOR_MATCH) of everything but parameters."""
     return [entry.guard_type == "TENSOR_MATCH" and not isinstance(entry.value, torch.nn.Parameter)
@@ -116,7 +142,11 @@ class CompiledDecode:
         if kv_store.scratch_block_id is None or ssm_pool.scratch_slot_id is None:
             raise ValueError("the compiled decode step needs a KV store and SSM pool with scratch space")
         self.model, self.kv_store, self.ssm_pool = model, kv_store, ssm_pool
-        custom_ops.load_kernels()  # the native kernels the graph calls as custom ops, built before any trace
+        # The native kernels the graph calls as custom ops, built before any trace.
+        custom_ops.load_kernels(cpu_operators=torch.device(device).type == "cpu")
+        if custom_ops.native_gemm_ready():  # every decode GEMM through the C++ skinny operator
+            for projection in decode_projections(model):
+                projection.pack_for_compiled_decode()
         self.block_size, self.settings, self.device = block_size, settings, device
         # One cache entry per bucket on the same function: dynamo's per-function limit (8) would send
         # the widest buckets back to eager without a word, so it is raised to fit them all twice over.
@@ -181,28 +211,25 @@ class CompiledDecode:
         return logits[:len(decodes)]
 
     # ---- helpers ------------------------------------------------------------------------------
-    def _padded_inputs(self, decodes, bucket: int):
-        """The decode rows padded to ``bucket`` rows, as the compiled function's tensors."""
-        size = self.block_size
-        scratch_block, scratch_slot = self.kv_store.scratch_block_id, self.ssm_pool.scratch_slot_id
-        padding = bucket - len(decodes)
-        tokens = [tok for tok, *_ in decodes] + [0] * padding
-        positions = [pos for _, pos, _, _ in decodes] + [0] * padding
-        kv_slots = [table[pos // size] * size + pos % size for _, pos, table, _ in decodes]
-        kv_slots += [scratch_block * size] * padding
-        slots = [slot for *_, slot in decodes] + [scratch_slot] * padding
-        used = [table[: pos // size + 1] for _, pos, table, _ in decodes] + [[scratch_block]] * padding
-        width = max(MIN_BLOCK_COLUMNS, max(len(u) for u in used))
-        tables = [u + [scratch_block] * (width - len(u)) for u in used]  # masked out by context_lens
-        as_long = dict(dtype=torch.long, device=self.device)
-        block_tables = torch.tensor(tables, **as_long)  # [P, width]
-        torch._dynamo.maybe_mark_dynamic(block_tables, 1)  # the context grows: one graph for every width
-        return (torch.tensor(tokens, **as_long), torch.tensor(positions, **as_long),
-                torch.tensor(kv_slots, **as_long), torch.tensor(slots, **as_long), block_tables,
-                torch.tensor(positions, **as_long) + 1)
+    def _padded_inputs(self, decodes, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode rows padded to ``bucket`` rows, as the compiled function's two tensors.
 
-    def _decode(self, token_ids, positions, kv_slots, ssm_slots, block_tables, context_lens):
-        """The traced step: [P] ids / positions / slots, block tables [P, W], context lens [P] -> [P, V]."""
+        Two tensors, not one per field: each conversion costs microseconds, and the Python around
+        a tiny model's step is a good part of it.
+        """
+        columns, tables = padded_rows(decodes, bucket, self.block_size, self.kv_store.scratch_block_id,
+                                      self.ssm_pool.scratch_slot_id)
+        # Through numpy: torch.tensor on nested lists takes 4x as long.
+        rows = torch.from_numpy(np.array(columns, dtype=np.int64)).to(self.device)  # [4, P]
+        block_tables = torch.from_numpy(np.array(tables, dtype=np.int64)).to(self.device)  # [P, width]
+        torch._dynamo.maybe_mark_dynamic(block_tables, 1)  # the context grows: one graph for every width
+        return rows, block_tables
+
+    def _decode(self, rows, block_tables):
+        """The traced step: rows [4, P] (token ids, positions, K/V slots, SSM slots), block tables [P, W]
+        -> logits [P, V]."""
+        token_ids, positions, kv_slots, ssm_slots = rows.unbind(0)  # [P] each
+        context_lens = positions + 1
         columns = torch.arange(block_tables.shape[1] * self.block_size, device=token_ids.device)
         visible = (columns[None, :] < context_lens[:, None])[:, None, None, :]  # [P, 1, 1, W * block]
         group = DecodeGroup(ssm_slots, block_tables, context_lens, visible, slot_range=None)

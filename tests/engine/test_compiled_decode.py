@@ -188,3 +188,10 @@ def test_without_native_kernels_the_graph_traces_the_torch_paths(tiny, monkeypat
     eager, _, _ = _greedy_decode(tiny, None, steps=8)
     compiled, runner, flags = _greedy_decode(tiny, CHEAP, steps=8)
     assert compiled == eager and all(flags) and runner.compiled_decode.num_recompiles == 0
+
+
+def test_padded_rows_pad_into_the_scratch_block_and_keep_only_the_blocks_each_context_reaches():
+    decodes = [(7, 17, [3, 5, 9], 2), (8, 4, [6], 0)]  # row 0 writes position 17: block 5, offset 1
+    columns, tables = compiled_decode.padded_rows(decodes, bucket=4, block_size=16, scratch_block=11, scratch_slot=4)
+    assert columns == [[7, 8, 0, 0], [17, 4, 0, 0], [5 * 16 + 1, 6 * 16 + 4, 11 * 16, 11 * 16], [2, 0, 4, 4]]
+    assert tables == [[3, 5], [6, 11], [11, 11], [11, 11]]  # never narrower than MIN_BLOCK_COLUMNS
