@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine.model.tiny import perturb_parameters
+from tests.engine.kernel_marks import one_torch_thread  # noqa: F401  (the kernel tests use it)
 
 transformers = pytest.importorskip("transformers")
 
@@ -52,3 +53,4 @@ def hf_checkpoint(tmp_path_factory):
         return cache[key]
 
     return build
+

@@ -8,21 +8,13 @@ import dataclasses
 import pytest
 import torch
 
-from engine.kernels import gdn_step, native
+from engine.kernels import gdn_step
 from engine.model.gdn import GatedDeltaNet
 from engine.model.tiny import TINY_CONFIG
+from tests.engine.kernel_marks import needs_kernels as needs_kernels_of
 
-needs_kernels = pytest.mark.skipif(
-    native.why_unavailable(native._cpu_flags(), "g++") is not None or not gdn_step.available(),
-    reason="no AVX2/FMA CPU or no C++ compiler here")
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+needs_kernels = needs_kernels_of(gdn_step)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @needs_kernels

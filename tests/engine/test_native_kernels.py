@@ -12,19 +12,11 @@ from engine.model import layers
 from engine.model.gdn import GatedDeltaNet
 from engine.model.loader import load_model
 from engine.model.tiny import TINY_CONFIG
+from tests.engine.kernel_marks import needs_kernels as needs_kernels_of
 from tests.engine.test_decode_fastpaths import _run
 
-needs_kernels = pytest.mark.skipif(
-    native.why_unavailable(native._cpu_flags(), "g++") is not None or not skinny_gemm.available()
-    or not gdn_step.available() or not rms_norm.available(), reason="no AVX2/FMA CPU or no C++ compiler here")
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+needs_kernels = needs_kernels_of(skinny_gemm, gdn_step, rms_norm)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @needs_kernels

@@ -6,10 +6,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import native, paged_attention
+from tests.engine.kernel_marks import needs_kernels as needs_kernels_of
 
-needs_kernel = pytest.mark.skipif(
-    native.why_unavailable(native._cpu_flags(), "g++") is not None or not paged_attention.available(),
-    reason="no AVX2/FMA CPU or no C++ compiler here")
+needs_kernel = needs_kernels_of(paged_attention)
 
 
 def _reference(q, keys, values, tables, lens, gate):

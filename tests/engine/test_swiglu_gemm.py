@@ -8,18 +8,10 @@ import torch.nn.functional as F
 from engine.kernels import native, skinny_gemm, swiglu_gemm
 from engine.model import layers
 from engine.model.gate_up import GateUpSiLU
+from tests.engine.kernel_marks import needs_kernels as needs_kernels_of
 
-needs_kernels = pytest.mark.skipif(
-    native.why_unavailable(native._cpu_flags(), "g++") is not None or not swiglu_gemm.available(),
-    reason="no AVX2/FMA CPU or no C++ compiler here")
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+needs_kernels = needs_kernels_of(swiglu_gemm)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def torch_swiglu(x: torch.Tensor, gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
