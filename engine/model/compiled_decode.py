@@ -60,7 +60,7 @@ def resolve_compile(choice: str, device: torch.device | str) -> CompileSettings 
 
     auto compiles on a GPU only (CUDA graphs take the launch overhead out of every step at
     little compile cost). On CPU it stays eager: inductor compiled the tiny model's decode for
-    minutes on the 2-core EPYC this was measured on when cold (bench/compile_decode.py, README;
+    minutes on the 2-core EPYC this was measured on when cold (bench/compile_decode.py, docs/benchmarks.md;
     20-85 s for three buckets from a warm cache), for a 1.3-1.5x faster tiny step than eager;
     ``--compile on`` opts in where a server runs long enough to pay that.
     """

@@ -16,7 +16,7 @@ import pytest
 from tests.engine.ep_process import PROMPT, REPO_ROOT, clean_env, engine, is_running, kill_group, rank_pids
 
 EP_TIMEOUT_S = 4.0
-# Stated bound (README): a dead rank is noticed at the next collective (about a second), a hung one
+# Stated bound (docs/expert-parallel.md): a dead rank is noticed at the next collective (about a second), a hung one
 # after --ep-timeout; then rank 0 closes the store and the ranks within a few seconds.
 EXIT_MARGIN_S = 8.0
 

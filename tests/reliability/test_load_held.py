@@ -2,7 +2,7 @@
 
 CI runs a few hundred requests of each (a tick costs ~10-30 ms on the 2-core
 box); the issue's full sizes (2,000 and 10,000 requests) run under the ``slow``
-marker with ``CHUNKSCOPE_SLOW=1`` and print the figures for the README table.
+marker with ``CHUNKSCOPE_SLOW=1`` and print the figures for the table in docs/benchmarks.md.
 """
 from __future__ import annotations
 

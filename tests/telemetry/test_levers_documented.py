@@ -1,11 +1,11 @@
-"""Every lever has help text and a row in README.md's lever table (header row contains ``| lever |``)."""
+"""Every lever has help text and a row in docs/levers.md lever table (header row contains ``| lever |``)."""
 from __future__ import annotations
 
 import pathlib
 
 from telemetry.levers import LEVERS
 
-README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+README = pathlib.Path(__file__).resolve().parents[2] / "docs" / "levers.md"
 
 
 def lever_table_names(markdown: str) -> set[str]:
@@ -39,4 +39,4 @@ def test_every_lever_has_help_text():
 def test_every_lever_is_in_the_readme_table():
     documented = lever_table_names(README.read_text(encoding="utf-8"))
     missing = [lever.name for lever in LEVERS if lever.name not in documented]
-    assert not missing, f"README.md lever table (header '| lever |') lacks: {', '.join(missing)}"
+    assert not missing, f"docs/levers.md lever table (header '| lever |') lacks: {', '.join(missing)}"
