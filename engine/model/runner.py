@@ -8,6 +8,7 @@ from engine.cache.kv import BlockManager
 from engine.cache.kv_calibration import STATE_OFF
 from engine.cache.kv_quant import InnerQConfig, fp_block_bytes
 from engine.cache.kv_store import KVStore
+from engine.cache.latent_store import build_latent_cache
 from engine.cache.ssm_pool import SSMPool, SSMSnapshot
 from engine.model.batch import ForwardBatch, build_batch
 from engine.model.compiled_decode import CompiledDecode, CompileSettings
@@ -40,26 +41,18 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = dtype
         # The MTP layers (if any) are K/V layers too: same blocks, same block tables.
-        layers, kv_heads, head_dim = list(model.kv_layer_ids), config.num_key_value_heads, config.head_dim
-        # Bytes of one full-precision block: ``kv_budget_bytes`` (--kv-cache-mb) is counted in them,
-        # and without it an InnerQ cache gets the bytes ``num_kv_blocks`` full-precision blocks take.
-        self.fp_block_bytes = fp_block_bytes(len(layers), block_size, kv_heads, head_dim, dtype)
+        layers = list(model.kv_layer_ids)
         self.innerq: InnerQCache | None = None
-        if kv_quant is None:
-            if kv_budget_bytes is not None:
-                num_kv_blocks = kv_budget_bytes // self.fp_block_bytes
-                if num_kv_blocks < 1:
-                    raise ValueError(f"--kv-cache-mb: {kv_budget_bytes} bytes hold no KV block "
-                                     f"({self.fp_block_bytes} bytes each)")
-            self.block_manager = BlockManager(num_kv_blocks, block_size)
-            self.kv_store = KVStore(layers, num_kv_blocks, block_size, kv_heads, head_dim, dtype=dtype,
-                                    device=self.device, scratch_block=compile is not None)
+        if model.is_mla:
+            if kv_quant is not None:
+                raise ValueError("--kv-quant: InnerQ quantizes per-head keys and values; an MLA model caches "
+                                 "latents, which it does not support")
+            self.block_manager, self.kv_store = build_latent_cache(layers, num_kv_blocks, block_size,
+                                                                   config.latent_dim, dtype, self.device,
+                                                                   kv_budget_bytes, compile is not None)
+            self.fp_block_bytes = self.kv_store.block_bytes
         else:
-            budget = kv_budget_bytes if kv_budget_bytes is not None else num_kv_blocks * self.fp_block_bytes
-            self.innerq = InnerQCache.build(layers, budget, block_size, kv_heads, head_dim, kv_quant, dtype,
-                                            self.device, calib_layer_ids=list(config.full_attention_layers))
-            self.block_manager = self.innerq.manager
-            self.kv_store = self.innerq.store
+            self._gqa_cache(layers, num_kv_blocks, block_size, kv_quant, kv_budget_bytes, compile is not None)
         self.ssm_pool = SSMPool(num_ssm_slots, len(config.linear_attention_layers), config.conv_dim,
                                 config.linear_conv_kernel_dim, config.linear_num_value_heads,
                                 config.linear_key_head_dim, config.linear_value_head_dim, device=self.device,
@@ -77,6 +70,29 @@ class ModelRunner:
             self.compiled_decode = CompiledDecode(model, self.kv_store, self.ssm_pool, block_size, compile,
                                                   self.device)
         self.last_forward_compiled = False  # whether the last forward ran the compiled step
+
+    def _gqa_cache(self, layers: list[int], num_kv_blocks: int, block_size: int, kv_quant,
+                   kv_budget_bytes: int | None, scratch: bool) -> None:
+        """Per-head K/V blocks, full precision or InnerQ: sets the block manager, the store, the block bytes."""
+        kv_heads, head_dim = self.config.num_key_value_heads, self.config.head_dim
+        # Bytes of one full-precision block: ``kv_budget_bytes`` (--kv-cache-mb) is counted in them,
+        # and without it an InnerQ cache gets the bytes ``num_kv_blocks`` full-precision blocks take.
+        self.fp_block_bytes = fp_block_bytes(len(layers), block_size, kv_heads, head_dim, self.dtype)
+        if kv_quant is None:
+            if kv_budget_bytes is not None:
+                num_kv_blocks = kv_budget_bytes // self.fp_block_bytes
+                if num_kv_blocks < 1:
+                    raise ValueError(f"--kv-cache-mb: {kv_budget_bytes} bytes hold no KV block "
+                                     f"({self.fp_block_bytes} bytes each)")
+            self.block_manager = BlockManager(num_kv_blocks, block_size)
+            self.kv_store = KVStore(layers, num_kv_blocks, block_size, kv_heads, head_dim, dtype=self.dtype,
+                                    device=self.device, scratch_block=scratch)
+        else:
+            budget = kv_budget_bytes if kv_budget_bytes is not None else num_kv_blocks * self.fp_block_bytes
+            self.innerq = InnerQCache.build(layers, budget, block_size, kv_heads, head_dim, kv_quant, self.dtype,
+                                            self.device, calib_layer_ids=list(self.config.full_attention_layers))
+            self.block_manager = self.innerq.manager
+            self.kv_store = self.innerq.store
 
     # ---- properties the scheduler reads ----------------------------------------------
     @property
