@@ -1,0 +1,192 @@
+"""MLA on the Kimi Linear family: decode speed, the absorbed form, and latent vs per-head KV bytes.
+
+Prints, side by side in one run (CPU model, dtype, threads and load average first):
+
+1. decode tokens/s of ``tiny-kimi`` through our runner vs transformers' KimiLinearForCausalLM
+   on the same weights, at batch 1, 8 and 32 over a ``--context``-token cache (median of the
+   rounds, ours and theirs interleaved; transformers runs its pure-torch KDA fallback here,
+   as ``fla`` is not installed);
+2. one MLA layer's decode attention in the absorbed form (W_UK folded into the query, W_UV
+   after the softmax: what the engine runs) vs the expanded form (every cached latent
+   up-projected to per-head K/V each step), for tiny-kimi's layer and a Kimi-Linear-48B-shaped
+   one (32 heads, kv_lora_rank 512, rope 64, nope 128, v 128), batch 8;
+3. latent vs per-head KV bytes per token, for both shapes;
+4. TTFT p50 of long prompts arriving during decode with ``mla_chunked_prefill`` off (the
+   reference's whole-prompt rule: decode waits behind the whole prefill) vs on (``ttft_section``).
+
+    python bench/mla.py [--rounds 3] [--steps 8] [--context 64] [--threads 1] [--dtype auto] [--no-hf] [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from engine.cache.latent_store import LatentKVStore  # noqa: E402
+from engine.cache.sequence import SequenceState  # noqa: E402
+from engine.model.batch import build_batch  # noqa: E402
+from engine.model.cpu_features import cpu_model, resolve_dtype  # noqa: E402
+from engine.model.embedded import checkpoint_dir_of  # noqa: E402
+from engine.model.kimi_config import KimiConfig  # noqa: E402
+from engine.model.loader import load_model  # noqa: E402
+from engine.model.mla import LatentAttention  # noqa: E402
+from engine.model.runner import ModelRunner  # noqa: E402
+
+BATCHES = (1, 8, 32)
+# One MLA layer of Kimi-Linear-48B-A3B (transformers' KimiLinearConfig defaults).
+KIMI_48B_MLA = KimiConfig(vocab_size=163840, hidden_size=2304, intermediate_size=9216, num_hidden_layers=1,
+                          num_attention_heads=32, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                          v_head_dim=128, linear_num_heads=32, linear_head_dim=128,
+                          layer_types=("full_attention",), mlp_layer_types=("dense",))
+
+
+def seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+class Ours:
+    def __init__(self, model, context: int, max_steps: int, dtype: torch.dtype):
+        blocks = -(-(context + max_steps + 1) // 16) + 1
+        self.runner = ModelRunner(model, num_kv_blocks=max(BATCHES) * blocks, num_ssm_slots=max(BATCHES), dtype=dtype)
+        self.seqs = []
+        for i in range(max(BATCHES)):
+            seq = SequenceState(i)
+            self.runner.admit(seq)
+            self.runner.prefill_chunk(seq, [(7 * i + t) % 256 for t in range(context)], 0, context, True)
+            self.seqs.append(seq)
+
+    def decode_step(self, batch: int) -> float:
+        return seconds(lambda: self.runner.decode(self.seqs[:batch], [1] * batch))
+
+
+class Theirs:
+    """transformers' KimiLinearForCausalLM from the tiny-kimi checkpoint; one growing cache per batch size."""
+
+    def __init__(self, context: int, dtype: torch.dtype):
+        import transformers
+        self.hf = transformers.KimiLinearForCausalLM.from_pretrained(checkpoint_dir_of("tiny-kimi"), dtype=dtype).eval()
+        self.caches = {}
+        with torch.inference_mode():
+            for batch in BATCHES:
+                ids = torch.tensor([[(7 * i + t) % 256 for t in range(context)] for i in range(batch)])
+                self.caches[batch] = self.hf(ids, use_cache=True).past_key_values
+
+    @torch.inference_mode()
+    def decode_step(self, batch: int) -> float:
+        token = torch.ones(batch, 1, dtype=torch.long)
+        return seconds(lambda: self.hf(token, cache=self.caches[batch], use_cache=True))
+
+
+def decode_section(args, dtype: torch.dtype) -> list[dict]:
+    model = load_model("tiny-kimi", dtype=dtype)[0]
+    ours = Ours(model, args.context, args.rounds * args.steps, dtype)
+    theirs = None if args.no_hf else Theirs(args.context, dtype)
+    times: dict[tuple[str, int], list[float]] = {}
+    with torch.inference_mode():
+        for _ in range(args.rounds):
+            for batch in BATCHES:
+                for side, runner in (("ours", ours), ("theirs", theirs)):
+                    if runner is not None:
+                        steps = [runner.decode_step(batch) for _ in range(args.steps)]
+                        times.setdefault((side, batch), []).append(statistics.median(steps))
+    rows = []
+    for batch in BATCHES:
+        row = {"batch": batch, "ours_tok_s": batch / statistics.median(times[("ours", batch)])}
+        if theirs is not None:
+            row["theirs_tok_s"] = batch / statistics.median(times[("theirs", batch)])
+            row["ratio"] = row["ours_tok_s"] / row["theirs_tok_s"]
+        rows.append(row)
+    return rows
+
+
+def mla_layer(config: KimiConfig, dtype: torch.dtype) -> LatentAttention:
+    torch.manual_seed(0)
+    layer = LatentAttention(config, 0)
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.copy_(torch.randn(param.shape) * 0.02 + (param.dim() == 1))
+    layer.to(dtype).eval()
+    layer.fuse()
+    return layer
+
+
+def absorb_section(args, dtype: torch.dtype) -> list[dict]:
+    shapes = {"tiny-kimi": load_model("tiny-kimi")[1], "kimi-48b": KIMI_48B_MLA}
+    rows = []
+    for name, config in shapes.items():
+        layer = mla_layer(config, dtype)
+        for context in (256, 1024):
+            batch_size, blocks = 8, -(-(context + 1) // 16)
+            store = LatentKVStore([0], batch_size * blocks, 16, config.latent_dim, dtype=dtype)
+            for layer_store in store.latents.values():
+                layer_store.normal_()
+            tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(batch_size)]
+            batch = build_batch(None, [(1, context, tables[i], 0) for i in range(batch_size)], 16)
+            q = torch.randn(batch_size, config.num_attention_heads, config.qk_head_dim, dtype=dtype)
+            timed = {"absorbed": [], "expanded": []}
+            with torch.inference_mode():
+                for _ in range(args.rounds):
+                    timed["absorbed"].append(seconds(lambda: layer.absorbed_decode(q, batch, store)))
+                    timed["expanded"].append(seconds(lambda: layer.expanded_decode(q, batch, store)))
+            absorbed, expanded = (statistics.median(timed[k]) * 1e3 for k in ("absorbed", "expanded"))
+            rows.append({"shape": name, "context": context, "batch": batch_size, "absorbed_ms": absorbed,
+                         "expanded_ms": expanded, "speedup": expanded / absorbed})
+    return rows
+
+
+def bytes_section(dtype: torch.dtype) -> list[dict]:
+    rows = []
+    for name, config in (("tiny-kimi", load_model("tiny-kimi")[1]), ("kimi-48b", KIMI_48B_MLA)):
+        latent = config.latent_dim * dtype.itemsize
+        full = config.full_kv_width * dtype.itemsize
+        rows.append({"shape": name, "latent_bytes_per_token_layer": latent, "full_bytes_per_token_layer": full,
+                     "ratio": full / latent})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--context", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
+    parser.add_argument("--no-hf", action="store_true", help="skip transformers")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    dtype_name = resolve_dtype(args.dtype)
+    dtype = getattr(torch, dtype_name)
+    result = {"cpu": cpu_model(), "dtype": dtype_name, "threads": args.threads, "load": os.getloadavg()[0],
+              "decode": decode_section(args, dtype), "absorbed_vs_expanded": absorb_section(args, dtype),
+              "kv_bytes": bytes_section(dtype)}
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return result
+    print(f"CPU {result['cpu']}, dtype {dtype_name}, {args.threads} thread(s), load {result['load']:.2f}")
+    print(f"\ndecode tokens/s, tiny-kimi, context {args.context} (median of {args.rounds} rounds x {args.steps} steps)")
+    for row in result["decode"]:
+        theirs = f"  transformers {row['theirs_tok_s']:9.1f}  ratio {row['ratio']:5.2f}x" if "ratio" in row else ""
+        print(f"  b{row['batch']:<3} ours {row['ours_tok_s']:9.1f}{theirs}")
+    print("\nMLA decode attention, one layer, batch 8: absorbed (engine) vs expanded (up-project every latent)")
+    for row in result["absorbed_vs_expanded"]:
+        print(f"  {row['shape']:<10} context {row['context']:5}  absorbed {row['absorbed_ms']:8.3f} ms  "
+              f"expanded {row['expanded_ms']:8.3f} ms  {row['speedup']:5.1f}x")
+    print("\nKV bytes per token and MLA layer")
+    for row in result["kv_bytes"]:
+        print(f"  {row['shape']:<10} latent {row['latent_bytes_per_token_layer']:6}  per-head K/V "
+              f"{row['full_bytes_per_token_layer']:6}  {row['ratio']:5.1f}x smaller")
+    return result
+
+
+if __name__ == "__main__":
+    main()
