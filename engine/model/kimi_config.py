@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import MISSING, asdict, dataclass, field
 from typing import Any
 
-from engine.model.config import LAYER_TYPES, ConfigError
+from engine.model.config import LAYER_TYPES, ConfigError, HybridLayers
 
 MODEL_TYPE = "kimi_linear"
 MLP_TYPES = ("dense", "sparse")
@@ -27,7 +27,7 @@ ALIASES = {
 
 
 @dataclass(frozen=True)
-class KimiConfig:
+class KimiConfig(HybridLayers):
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -106,14 +106,6 @@ class KimiConfig:
     @property
     def is_moe(self) -> bool:
         return "sparse" in self.mlp_layer_types
-
-    @property
-    def full_attention_layers(self) -> list[int]:
-        return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
-
-    @property
-    def linear_attention_layers(self) -> list[int]:
-        return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
 
     @property
     def linear_num_key_heads(self) -> int:
