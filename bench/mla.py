@@ -56,11 +56,11 @@ def seconds(fn) -> float:
 class Ours:
     def __init__(self, model, context: int, max_steps: int, dtype: torch.dtype):
         blocks = -(-(context + max_steps + 1) // 16) + 1
-        self.runner = ModelRunner(model, num_kv_blocks=max(BATCHES) * blocks, num_ssm_slots=max(BATCHES), dtype=dtype)
+        self.runner = ModelRunner.build(model, num_kv_blocks=max(BATCHES) * blocks, num_ssm_slots=max(BATCHES), dtype=dtype)
         self.seqs = []
         for i in range(max(BATCHES)):
             seq = SequenceState(i)
-            self.runner.admit(seq)
+            self.runner.pools.admit(seq)
             self.runner.prefill_chunk(seq, [(7 * i + t) % 256 for t in range(context)], 0, context, True)
             self.seqs.append(seq)
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.cache.ssm_pool import SSMPool
-from engine.model.batch import ForwardBatch
+from engine.model.batch import PackedBatch
 from engine.model.gdn import SSMCapture, SSMRowStates
 from engine.model.kda_rule import chunked_kda_rule, recurrent_kda_step
 from engine.model.layers import FusedLinear
@@ -105,7 +105,7 @@ class KimiDeltaAttention(nn.Module):
         gate = self.fused_g_b(g_a) if self.fused_g_b is not None else self.g_b_proj(g_a)
         return mixed, g, b.float().sigmoid(), gate.view(-1, self.num_heads, self.head_dim)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, pool: SSMPool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: PackedBatch, pool: SSMPool) -> torch.Tensor:
         """x: [T, hidden] packed rows (prefill chunk first, then decode rows)."""
         mixed, g, beta, gate = self._project(x)
         conv_states = pool.conv[self.linear_index]  # [S, conv_dim, K-1]

@@ -66,7 +66,7 @@ class KimiDecoderLayer(DecoderLayer):
 
 
 class KimiLinearForCausalLM(Qwen35MoeForCausalLM):
-    """Forward over a packed ForwardBatch; latents go to the LatentKVStore, KDA state to the SSM pool."""
+    """Forward over a PackedBatch; latents go to the LatentKVStore, KDA state to the SSM pool."""
 
     is_mla = True  # full-attention layers cache compressed latents, not per-head K/V
     layer_class = KimiDecoderLayer

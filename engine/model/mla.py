@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.cache.latent_store import LatentKVStore
-from engine.model.batch import ForwardBatch
+from engine.model.batch import PackedBatch
 from engine.model.layers import FusedLinear, RMSNorm
 from engine.model.mla_prefill import CONTEXT_SUB_CHUNK, chunk_over_context
 
@@ -102,7 +102,7 @@ class LatentAttention(nn.Module):
         return k.transpose(0, 1), v.transpose(0, 1)
 
     # ---- forward -------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: LatentKVStore, rotary=None, cos=None,
+    def forward(self, x: torch.Tensor, batch: PackedBatch, kv: LatentKVStore, rotary=None, cos=None,
                 sin=None) -> torch.Tensor:
         """x: [T, hidden] packed rows (prefill chunk first, then decode rows) -> [T, hidden].
 
@@ -119,7 +119,7 @@ class LatentAttention(nn.Module):
         out = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
         return self.fused_o(out) if self.fused_o is not None else self.o_proj(out)
 
-    def prefill_attention(self, q: torch.Tensor, latent: torch.Tensor, batch: ForwardBatch,
+    def prefill_attention(self, q: torch.Tensor, latent: torch.Tensor, batch: PackedBatch,
                           kv: LatentKVStore) -> torch.Tensor:
         """The chunk's queries q [L, H, qk_dim] over its cached context and itself -> [L, H * v_dim]."""
         seg = batch.prefill
@@ -137,7 +137,7 @@ class LatentAttention(nn.Module):
                                      self.context_sub_chunk).to(q.dtype)
         return out.transpose(0, 1).reshape(length, self.num_heads * self.v_dim)
 
-    def absorbed_decode(self, q: torch.Tensor, batch: ForwardBatch, kv: LatentKVStore) -> torch.Tensor:
+    def absorbed_decode(self, q: torch.Tensor, batch: PackedBatch, kv: LatentKVStore) -> torch.Tensor:
         """Decode rows q [B, H, qk_dim] over their sequences' cached latents, in the latent space -> [B, H * v_dim]."""
         group, rows = batch.decode, q.shape[0]
         w_uk, w_uv_t = self.absorb if self.absorb is not None else self._absorb_weights()
@@ -154,7 +154,7 @@ class LatentAttention(nn.Module):
         out = torch.bmm(out_latent.transpose(0, 1), w_uv_t)  # [H, B, v]
         return out.transpose(0, 1).reshape(rows, self.num_heads * self.v_dim)
 
-    def expanded_decode(self, q: torch.Tensor, batch: ForwardBatch, kv: LatentKVStore) -> torch.Tensor:
+    def expanded_decode(self, q: torch.Tensor, batch: PackedBatch, kv: LatentKVStore) -> torch.Tensor:
         """The same rows by up-projecting every context latent each step (bench/mla.py's baseline)."""
         group, outs = batch.decode, []
         latents = kv.gather(self.layer_id, group.block_tables)  # [B, S, r + rope]

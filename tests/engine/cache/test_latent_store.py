@@ -39,14 +39,14 @@ def tiny_kimi():
 def test_a_megabyte_holds_the_latent_share_of_tokens(tiny_kimi):
     """--kv-cache-mb buys full_kv_width / latent_dim times the blocks per-head K/V would take."""
     model, config = tiny_kimi
-    runner = ModelRunner(model, num_kv_blocks=1, num_ssm_slots=1, kv_budget_bytes=1 << 20)
+    runner = ModelRunner.build(model, num_kv_blocks=1, num_ssm_slots=1, kv_budget_bytes=1 << 20)
     per_head_block = len(config.full_attention_layers) * 16 * config.full_kv_width * 4
-    assert runner.block_manager.num_blocks == (1 << 20) // runner.fp_block_bytes
-    assert runner.block_manager.num_blocks >= 4 * ((1 << 20) // per_head_block)
-    assert runner.kv_bytes_total == runner.block_manager.num_blocks * runner.fp_block_bytes
+    assert runner.pools.blocks.num_blocks == (1 << 20) // runner.pools.fp_block_bytes
+    assert runner.pools.blocks.num_blocks >= 4 * ((1 << 20) // per_head_block)
+    assert runner.pools.kv_bytes_total == runner.pools.blocks.num_blocks * runner.pools.fp_block_bytes
     with pytest.raises(ValueError, match="MLA model caches latents"):
         from engine.cache.kv_quant import InnerQConfig
-        ModelRunner(model, num_kv_blocks=4, num_ssm_slots=1, kv_quant=InnerQConfig(bits=8))
+        ModelRunner.build(model, num_kv_blocks=4, num_ssm_slots=1, kv_quant=InnerQConfig(bits=8))
 
 
 def test_shared_prefix_blocks_give_the_logits_of_a_full_prefill(tiny_kimi):
@@ -54,21 +54,21 @@ def test_shared_prefix_blocks_give_the_logits_of_a_full_prefill(tiny_kimi):
     SSM state restored at the block boundary) and prefills only its tail over them."""
     model, _ = tiny_kimi
     prompt = torch.randint(0, 256, (45,), generator=torch.Generator().manual_seed(3)).tolist()
-    runner = ModelRunner(model, num_kv_blocks=16, num_ssm_slots=3)
+    runner = ModelRunner.build(model, num_kv_blocks=16, num_ssm_slots=3)
     first = SequenceState(0)
-    runner.admit(first)
+    runner.pools.admit(first)
     runner.prefill_chunk(first, prompt, 0, 32, False)
-    snapshot = runner.ssm_pool.snapshot(first.ssm_slot)
+    snapshot = runner.pools.ssm.snapshot(first.ssm_slot)
     full = runner.prefill_chunk(first, prompt, 32, 13, True)
     second = SequenceState(1)
-    runner.admit(second)
-    runner.block_manager.share(second, first.block_table[:2])
+    runner.pools.admit(second)
+    runner.pools.blocks.share(second, first.block_table[:2])
     second.num_cached_tokens = 32
-    runner.ssm_pool.restore(snapshot, second.ssm_slot)
+    runner.pools.ssm.restore(snapshot, second.ssm_slot)
     reused = runner.prefill_chunk(second, prompt, 32, 13, True)
     torch.testing.assert_close(reused, full, rtol=1e-5, atol=1e-5)
-    assert runner.block_manager.ref_count(first.block_table[0]) == 2
-    runner.release(first)
-    runner.release(second)
-    runner.block_manager.check_invariants()
-    assert runner.block_manager.num_used == 0
+    assert runner.pools.blocks.ref_count(first.block_table[0]) == 2
+    runner.pools.release(first)
+    runner.pools.release(second)
+    runner.pools.blocks.check_invariants()
+    assert runner.pools.blocks.num_used == 0

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from engine.cache.sequence import SequenceState
+from engine.model.forward_batch import ForwardBatch
 from engine.model.gdn import SSMRowStates
 from engine.model.kda_rule import chunked_kda_rule, recurrent_kda_step
 from engine.model.loader import load_model
@@ -41,15 +42,14 @@ def _prompt(n: int) -> list[int]:
 
 def test_mid_chunk_capture_equals_the_state_at_that_prefix(tiny_kimi):
     prompt = _prompt(40)
-    runner = ModelRunner(tiny_kimi, num_kv_blocks=8, num_ssm_slots=2)
+    runner = ModelRunner.build(tiny_kimi, num_kv_blocks=8, num_ssm_slots=2)
     seq = SequenceState(0)
-    runner.admit(seq)
-    runner.prefill_chunk(seq, prompt, 0, 40, True, capture_at=24)
-    captured = runner.last_capture
+    runner.pools.admit(seq)
+    captured = runner.forward(ForwardBatch.chunk(seq, prompt, 0, 40, True, capture_at=24)).capture
     other = SequenceState(1)
-    runner.admit(other)
+    runner.pools.admit(other)
     runner.prefill_chunk(other, prompt, 0, 24, False)
-    expected = runner.ssm_pool.snapshot(other.ssm_slot)
+    expected = runner.pools.ssm.snapshot(other.ssm_slot)
     torch.testing.assert_close(captured.conv, expected.conv)
     torch.testing.assert_close(captured.recurrent, expected.recurrent, rtol=1e-5, atol=1e-6)
 
@@ -59,19 +59,19 @@ def test_every_row_states_equal_decode_steps(tiny_kimi):
     from engine.model.batch import build_batch
 
     prompt, extra = _prompt(20), [5, 9, 77]
-    runner = ModelRunner(tiny_kimi, num_kv_blocks=8, num_ssm_slots=2)
+    runner = ModelRunner.build(tiny_kimi, num_kv_blocks=8, num_ssm_slots=2)
     seq = SequenceState(0)
-    runner.admit(seq)
+    runner.pools.admit(seq)
     runner.prefill_chunk(seq, prompt, 0, 20, False)
-    before = runner.ssm_pool.snapshot(seq.ssm_slot)
-    runner.block_manager.allocate(seq, len(extra))
+    before = runner.pools.ssm.snapshot(seq.ssm_slot)
+    runner.pools.blocks.allocate(seq, len(extra))
     batch = build_batch((extra, 20, seq.block_table, seq.ssm_slot), [], runner.kv_block_size)
     batch.ssm_row_states = row_states = SSMRowStates()
-    tiny_kimi(batch, runner.kv_store, runner.ssm_pool)
-    runner.ssm_pool.restore(before, seq.ssm_slot)
+    tiny_kimi(batch, runner.pools.kv_store, runner.pools.ssm)
+    runner.pools.ssm.restore(before, seq.ssm_slot)
     for r, token in enumerate(extra):
         step = build_batch(None, [(token, 20 + r, seq.block_table, seq.ssm_slot)], runner.kv_block_size)
-        tiny_kimi(step, runner.kv_store, runner.ssm_pool)
+        tiny_kimi(step, runner.pools.kv_store, runner.pools.ssm)
         for index, kept in row_states.recurrent.items():
-            torch.testing.assert_close(kept[r], runner.ssm_pool.recurrent[index, seq.ssm_slot], rtol=1e-5, atol=1e-6)
-            torch.testing.assert_close(row_states.conv[index][r], runner.ssm_pool.conv[index, seq.ssm_slot])
+            torch.testing.assert_close(kept[r], runner.pools.ssm.recurrent[index, seq.ssm_slot], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(row_states.conv[index][r], runner.pools.ssm.conv[index, seq.ssm_slot])

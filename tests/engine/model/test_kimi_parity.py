@@ -47,12 +47,12 @@ def test_every_position_logits_match_transformers(kimi_checkpoint, name):
         prompt = _prompt(length, config.vocab_size, length)
         with torch.no_grad():
             expected = hf(torch.tensor([prompt])).logits[0]  # [L, V]
-        runner = ModelRunner(model, num_kv_blocks=-(-length // 16) + 1, num_ssm_slots=2)
+        runner = ModelRunner.build(model, num_kv_blocks=-(-length // 16) + 1, num_ssm_slots=2)
         seq = SequenceState(0)
-        runner.admit(seq)
-        runner.block_manager.allocate(seq, length)
+        runner.pools.admit(seq)
+        runner.pools.blocks.allocate(seq, length)
         batch = build_batch((prompt, 0, seq.block_table, seq.ssm_slot), [], runner.kv_block_size)
-        actual = model(batch, runner.kv_store, runner.ssm_pool)  # [L, V]
+        actual = model(batch, runner.pools.kv_store, runner.pools.ssm)  # [L, V]
         assert (actual - expected).abs().max().item() <= TOLERANCE, f"prompt of {length}"
 
 
@@ -68,9 +68,9 @@ def test_twenty_greedy_tokens_match_transformers_generate(kimi_checkpoint, name,
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, min_new_tokens=20,
                           do_sample=False, pad_token_id=config.vocab_size - 1)
     expected = out[0, length:].tolist()
-    runner = ModelRunner(model, num_kv_blocks=-(-(length + 20) // 16) + 1, num_ssm_slots=2)
+    runner = ModelRunner.build(model, num_kv_blocks=-(-(length + 20) // 16) + 1, num_ssm_slots=2)
     seq = SequenceState(0)
-    runner.admit(seq)
+    runner.pools.admit(seq)
     tokens = [_greedy(runner.prefill_chunk(seq, prompt, 0, length, True), config.eos_token_id)]
     while len(tokens) < 20:
         tokens.append(_greedy(runner.decode([seq], [tokens[-1]])[0], config.eos_token_id))
@@ -89,8 +89,8 @@ def test_latent_cache_keeps_one_row_per_token_and_layer(kimi_checkpoint):
     """The cache's block bytes are the latent's (r + rope per MLA layer), not per-head K/V."""
     _, directory = kimi_checkpoint("tiny-kimi")
     model, config, _ = load_model(directory)
-    runner = ModelRunner(model, num_kv_blocks=4, num_ssm_slots=1)
+    runner = ModelRunner.build(model, num_kv_blocks=4, num_ssm_slots=1)
     mla_layers = len(config.full_attention_layers)
-    assert runner.fp_block_bytes == mla_layers * 16 * (config.kv_lora_rank + config.qk_rope_head_dim) * 4
-    assert runner.kv_bytes_total == 4 * runner.fp_block_bytes
+    assert runner.pools.fp_block_bytes == mla_layers * 16 * (config.kv_lora_rank + config.qk_rope_head_dim) * 4
+    assert runner.pools.kv_bytes_total == 4 * runner.pools.fp_block_bytes
     assert config.full_kv_width == 4 * config.latent_dim  # tiny-kimi: 320 per-head values vs an 80-value row

@@ -13,6 +13,7 @@ from hypothesis import given, settings, strategies as st
 from engine.cache.latent_store import LatentKVStore
 from engine.cache.sequence import SequenceState
 from engine.model.batch import build_batch
+from engine.model.forward_batch import ForwardBatch, PrefillChunk
 from engine.model.kimi_config import KimiConfig
 from engine.model.loader import load_model
 from engine.model.mla import LatentAttention
@@ -147,20 +148,21 @@ def tiny_kimi():
 def _greedy_run(model, prompt, chunk, steps=12, decode_others=()):
     """Prefill ``prompt`` in chunks of ``chunk`` tokens, each fused with a decode row of every other
     sequence in ``decode_others`` (prompts prefilled first); then ``steps`` greedy tokens."""
-    runner = ModelRunner(model, num_kv_blocks=64, num_ssm_slots=4)
+    runner = ModelRunner.build(model, num_kv_blocks=64, num_ssm_slots=4)
     others = []
     for i, other in enumerate(decode_others):
         seq = SequenceState(10 + i)
-        runner.admit(seq)
+        runner.pools.admit(seq)
         others.append([seq, int(runner.prefill_chunk(seq, other, 0, len(other), True).argmax())])
     seq = SequenceState(0)
-    runner.admit(seq)
+    runner.pools.admit(seq)
     offset = 0
     while offset < len(prompt):
         length = min(chunk, len(prompt) - offset)
         is_last = offset + length == len(prompt)
-        logits, decoded = runner.mixed_forward([s for s, _ in others], [t for _, t in others], seq, prompt, offset,
-                                               length, is_last)
+        out = runner.forward(ForwardBatch.mixed([s for s, _ in others], [t for _, t in others],
+                                                PrefillChunk(seq, prompt, offset, length, is_last)))
+        logits, decoded = out.prefill_logits, out.decode_logits
         for pair, row in zip(others, decoded):
             pair[1] = int(row.argmax())
         offset += length
