@@ -163,6 +163,7 @@ class ChunkDecision(Event):
     kv_quant_state: str | None = None   # one of KV_QUANT_STATES: what the poll before this chunk left
     ep_broadcast_ns: int | None = None  # under expert parallelism: rank 0's broadcast before the forward
     first_token_rules: str | None = None  # last chunk: the first-token rules that fired, comma-separated
+    slice_budget_ignored: bool = False  # the MLA whole-prompt rule ran past the slice budget in force
 
 
 @dataclass

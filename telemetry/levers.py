@@ -148,6 +148,12 @@ LEVERS: tuple[Lever, ...] = (
           "the request's cached latents (gathered in bounded sub-chunks, merged by log-sum-exp) and "
           "MLA prompts chunk and mix like any other. No effect on other models. Watch: chunks with "
           "cap mla_whole_prompt vs max_prefill_tokens, ITL p99 and TTFT during long prompts."),
+    Lever("max_tick_tokens", int, 4096,
+          "The tick's token budget: the most prompt tokens one forward may compute. It binds under "
+          "the MLA whole-prompt rule (mla_chunked_prefill off), whose chunk ignores max_prefill_tokens: "
+          "a longer prompt can never start and is rejected with the reason instead of stalling the "
+          "queue. Watch: rejected requests naming max_tick_tokens.",
+          bounds=(1, 1 << 20)),
 )
 LEVERS_BY_NAME: dict[str, Lever] = {lever.name: lever for lever in LEVERS}
 
@@ -170,6 +176,7 @@ class LeverValues:
     preempt_policy: str = "most_blocks"
     kv_blocks_cap: int = 0
     mla_chunked_prefill: bool = False
+    max_tick_tokens: int = 4096
 
     def __post_init__(self) -> None:
         for name, value in self.as_dict().items():

@@ -141,6 +141,11 @@ def whole_prompt_rule(is_mla: bool, mla_chunked_prefill: bool) -> bool:
     return is_mla and not mla_chunked_prefill
 
 
+def first_chunk_tokens(prompt_len: int, max_prefill_tokens: int, whole_prompt: bool) -> int:
+    """The tokens of a prompt's first chunk, as admission sizes it: the whole prompt under the rule."""
+    return prompt_len if whole_prompt else min(prompt_len, max_prefill_tokens)
+
+
 def plan_all_chunks(*, prompt_len: int, offset: int = 0, **rules) -> list[tuple[int, ChunkPlan]]:
     """Every (offset, plan) from ``offset`` to the end of the prompt, with fixed rules."""
     plans = []
