@@ -2,10 +2,12 @@
 off, plain chunks once the levers file flips it on, preemptions, and a replay identical tick for tick."""
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
 
+from dashboard.panels.kv_gauges import kv_kind_caption
 from engine.replay.compare import compare
 from engine.replay.rerun import load_input, replay_run, resolve_model
 from telemetry import events as ev
@@ -51,8 +53,12 @@ def test_the_rule_then_the_flip_show_in_the_chunk_rows(served):
     assert all(c["length"] <= 32 and not c["slice_budget_ignored"] for c in after)
     assert any(not c["is_last"] for c in after)
     assert scalar(served.db, "SELECT count(*) FROM preemptions") > 0
-    config = query(served.db, "SELECT model FROM runs")[0]
-    assert config["model"] == "tiny-kimi"
+    run = query(served.db, "SELECT model, config FROM runs")[0]
+    assert run["model"] == "tiny-kimi"
+    # The Live page says which KV the gauges count (dashboard/panels/kv_gauges.py, pure).
+    caption = kv_kind_caption(json.loads(run["config"]))
+    assert caption == "; KV cache: MLA latent rows, 80 values per token and layer (per-head K/V: 320, 4.0x)"
+    assert kv_kind_caption({"kv_kind": "per_head", "kv_values_per_token_layer": 128}) == ""
 
 
 def _prefix_hit(db, request_id: int) -> int:
