@@ -154,7 +154,7 @@ class ModelRunner:
                 and not (self.mtp_keep_up and self.model.has_mtp_head))
 
     def _compiled_logits(self, decodes, grown) -> torch.Tensor:
-        """``mixed_forward``'s decode-only case through the compiled step; logits [B, V]; on an
+        """``forward``'s decode-only case through the compiled step; logits [B, V]; on an
         error the new blocks go back."""
         try:
             return self.compiled_decode(decodes)  # [B, V]

@@ -75,7 +75,6 @@ class Scheduler:
             prefix = PrefixPool(pools.blocks, pools.ssm, needs_ssm_snapshot=self.traits.has_linear_attention,
                                 events=self.events.generic_event)
         self.pools = pools.with_prefix(prefix)
-        self.levers = levers
         self.pools.blocks.set_cap(levers.kv_blocks_cap or None)
         self.levers = self._refuse_unsupported(levers, "off", source="init", version=None)
         runner.mtp_keep_up = self.levers.speculation == SPEC_MTP

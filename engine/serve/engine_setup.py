@@ -6,7 +6,6 @@ import json
 import logging
 import platform
 import sqlite3
-import sys
 import time
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -47,6 +46,7 @@ class EngineSetup:
     runner: ModelRunner
     scheduler: Scheduler
     engine_config: dict[str, Any] = field(default_factory=dict)
+    roofline_s: float = 0.0          # how long measuring this machine's roofline rates took (serve)
 
     @property
     def special_ids(self) -> set[int]:
@@ -69,7 +69,7 @@ def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: Lev
     ``compile``: --compile auto / on / off (``compiled_decode.resolve_compile``); with ``compile_warmup``
     every batch bucket up to ``ssm_slots`` rows compiles here, before the run starts, else on first use.
     ``measure_roofline``: time this machine's GEMM rate and read bandwidth once (``serve``), so every tick
-    records its forwards' roofline time; the rates go in the config.
+    records its forwards' roofline time; the rates go in the config (``roofline_rates``, ``log_roofline``).
     """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype_choice = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
@@ -95,7 +95,7 @@ def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: Lev
     if tokenizer is not None:
         from engine.grammar.compiler import GrammarCompiler
         grammars = GrammarCompiler.for_model(model, tokenizer, runner.vocab_size)
-    rates = _measure_roofline(dtype) if measure_roofline else None
+    rates, roofline_s = _measure_roofline(dtype) if measure_roofline else (None, 0.0)
     scheduler = Scheduler(runner, levers, emit=emit, run_seed=seed, prefix_cache=prefix_cache,
                           detokenize=tokenizer.decode if tokenizer is not None else None, grammars=grammars,
                           machine_rates=rates)
@@ -115,17 +115,24 @@ def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: Lev
     if rates is not None:
         engine_config["roofline_rates"] = {"gemm_gflop_s": round(rates.flops_per_s / 1e9, 2),
                                            "read_gb_s": round(rates.bytes_per_s / 1e9, 2)}
-    return EngineSetup(model_name, directory, model, config, tokenizer, runner, scheduler, engine_config)
+    return EngineSetup(model_name, directory, model, config, tokenizer, runner, scheduler, engine_config, roofline_s)
 
 
-def _measure_roofline(dtype: torch.dtype) -> MachineRates:
-    """This machine's GEMM rate and read bandwidth, timed once (``roofline.measure_rates``)."""
+def _measure_roofline(dtype: torch.dtype) -> tuple[MachineRates, float]:
+    """This machine's GEMM rate and read bandwidth, timed once (``roofline.measure_rates``), and the seconds
+    that took."""
     started = time.perf_counter()
     rates = measure_rates(dtype, stream_mib=ROOFLINE_STREAM_MIB)
-    logging.getLogger("chunkscope.serve").info(
-        "roofline rates: square GEMM %.1f GFLOP/s, read %.1f GB/s (measured in %.2f s)",
-        rates.flops_per_s / 1e9, rates.bytes_per_s / 1e9, time.perf_counter() - started)
-    return rates
+    return rates, time.perf_counter() - started
+
+
+def log_roofline(setup: EngineSetup, log: logging.Logger) -> None:
+    """One line with the rates ``measure_roofline`` found (logged once the run is known to start, so a
+    bad workload still fails in one line)."""
+    rates = setup.engine_config.get("roofline_rates")
+    if rates is not None:
+        log.info("roofline rates: square GEMM %.1f GFLOP/s, read %.1f GB/s (measured in %.2f s)",
+                 rates["gemm_gflop_s"], rates["read_gb_s"], setup.roofline_s)
 
 
 def _compile_description(runner: ModelRunner, choice: str, settings, max_rows: int, warm_up: bool) -> dict:

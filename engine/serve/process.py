@@ -22,7 +22,7 @@ from engine.distributed import launch, serve_ranks
 from engine.distributed.worker import EXIT_RANK_FAILURE
 from engine.api.launch import start_api
 from engine.serve.driver import ApiInbox, LeverFile, TickDriver, TimedArrivals, submit_spec
-from engine.serve.engine_setup import EngineSetup, build_engine, run_started_row
+from engine.serve.engine_setup import EngineSetup, build_engine, log_roofline, run_started_row
 from engine.cli.kv_cache_args import kv_cache_options
 from engine.serve.lever_watch import LeverWatcher
 from engine.model.fault import ENV_VAR as FAULT_ENV_VAR, ForwardFault
@@ -66,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
                          ep_size=args.ep, compile=args.compile, measure_roofline=True)
     ep_run = serve_ranks.start(args, setup, from_torchrun, run_dir) if args.ep > 1 else None
     feed = WorkloadFeed.from_args(args, setup)
+    log_roofline(setup, log)   # after the workload is known good: a bad one fails in one line
     writer, telemetry_error = None, None
     api = start_api(args, setup, lambda: writer.num_dropped if writer is not None else 0)
     if api is not None:

@@ -118,7 +118,7 @@ def check_backlog(result: dict, db_path, num_requests: int) -> None:
     sched, writer = result["sched"], result["writer"]
     assert len(sched.done) == num_requests and not sched.waiting and not sched.active
     assert all(r.status == ev.REQ_FINISHED for r in sched.done)
-    assert result["runner"].block_manager.num_used == 0
+    assert result["runner"].pools.blocks.num_used == 0
     wait_share = writer.writer_wait_ns / 1e9 / result["elapsed_s"]
     assert wait_share < WRITER_WAIT_SHARE, f"producer waited {wait_share:.2%} of the run on the writer"
     assert writer.num_dropped == 0 and writer.error is None
