@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -38,6 +39,9 @@ from engine.model.kimi_config import KimiConfig  # noqa: E402
 from engine.model.loader import load_model  # noqa: E402
 from engine.model.mla import LatentAttention  # noqa: E402
 from engine.model.runner import ModelRunner  # noqa: E402
+from engine.scheduler.loop import Scheduler  # noqa: E402
+from telemetry import events as ev  # noqa: E402
+from telemetry.levers import defaults  # noqa: E402
 
 BATCHES = (1, 8, 32)
 # One MLA layer of Kimi-Linear-48B-A3B (transformers' KimiLinearConfig defaults).
@@ -153,6 +157,62 @@ def bytes_section(dtype: torch.dtype) -> list[dict]:
     return rows
 
 
+def serve_long_prompts(model, dtype: torch.dtype, chunked: bool, args) -> dict:
+    """4 decoding requests, then ``--arrivals`` prompts (long and short in turn) arriving every
+    ``--gap-ms`` by the wall clock while they decode; the real scheduler, ``mla_chunked_prefill`` as given."""
+    rows: list = []
+    runner = ModelRunner.build(model, num_kv_blocks=1024, num_ssm_slots=16, dtype=dtype)
+    levers = defaults().replace(mla_chunked_prefill=chunked, max_prefill_tokens=args.chunk, max_tick_tokens=1 << 16)
+    sched = Scheduler(runner, levers, emit=rows.append)
+    rng = random.Random(0)
+    for i in range(4):
+        # They decode through the whole run (2,000 tokens fit the cache beside every arrival).
+        sched.submit(i, [rng.randrange(256) for _ in range(16)], {"max_tokens": 2000, "min_tokens": 2000})
+    while len(sched.active) < 4:
+        if not sched.step():
+            raise RuntimeError(f"the decoders did not start: {[r.error for r in sched.done]}")
+    arrivals = [(100 + i, args.long if i % 2 == 0 else 32) for i in range(args.arrivals)]
+    start, arrived, ended = time.perf_counter(), {}, 0
+    while ended < len(arrivals):
+        due = int((time.perf_counter() - start) * 1e3 // args.gap_ms) + 1
+        for request_id, length in arrivals[len(arrived):due]:
+            arrived[request_id] = length
+            sched.submit(request_id, [rng.randrange(256) for _ in range(length)], {"max_tokens": 4, "min_tokens": 4})
+        sched.step()
+        ended = sum(1 for r in sched.done if r.request_id >= 100)
+    sched.stop()
+    done = {r.request_id: r for r in sched.done}
+    ttft = {length: [(done[i].first_token_ns - done[i].arrival_ns) / 1e6 for i, n in arrived.items() if n == length]
+            for length in set(arrived.values())}
+    # The decoders' inter-token gaps: what a whole-prompt prefill makes them wait.
+    last, gaps = {}, []
+    for row in rows:
+        if isinstance(row, ev.TokenEvent) and row.request_id < 4:
+            if row.request_id in last:
+                gaps.append((row.t_ns - last[row.request_id]) / 1e6)
+            last[row.request_id] = row.t_ns
+    gaps.sort()
+    return {"ttft_p50_ms": {str(n): statistics.median(v) for n, v in sorted(ttft.items())},
+            "itl_p99_ms": gaps[int(0.99 * (len(gaps) - 1))], "itl_max_ms": gaps[-1]}
+
+
+def ttft_section(args, dtype: torch.dtype) -> dict:
+    model = load_model("tiny-kimi", dtype=dtype)[0]
+    runs: dict[str, list[dict]] = {"off": [], "on": []}
+    with torch.inference_mode():
+        for _ in range(args.rounds):  # interleaved: both rules see the same machine load
+            for name, chunked in (("off", False), ("on", True)):
+                runs[name].append(serve_long_prompts(model, dtype, chunked, args))
+
+    def med(name, key, sub=None):
+        return statistics.median(r[key][sub] if sub else r[key] for r in runs[name])
+
+    lengths = list(runs["off"][0]["ttft_p50_ms"])
+    return {name: {"ttft_p50_ms": {n: med(name, "ttft_p50_ms", n) for n in lengths},
+                   "itl_p99_ms": med(name, "itl_p99_ms"), "itl_max_ms": med(name, "itl_max_ms")}
+            for name in runs}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -161,6 +221,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
     parser.add_argument("--no-hf", action="store_true", help="skip transformers")
+    parser.add_argument("--long", type=int, default=768, help="tokens of each long arriving prompt")
+    parser.add_argument("--chunk", type=int, default=64, help="max_prefill_tokens with mla_chunked_prefill on")
+    parser.add_argument("--arrivals", type=int, default=6, help="prompts arriving during decode (long, short, ...)")
+    parser.add_argument("--gap-ms", type=float, default=400.0, help="ms between arrivals")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -168,7 +232,7 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = getattr(torch, dtype_name)
     result = {"cpu": cpu_model(), "dtype": dtype_name, "threads": args.threads, "load": os.getloadavg()[0],
               "decode": decode_section(args, dtype), "absorbed_vs_expanded": absorb_section(args, dtype),
-              "kv_bytes": bytes_section(dtype)}
+              "kv_bytes": bytes_section(dtype), "long_prompts": ttft_section(args, dtype)}
     if args.json:
         print(json.dumps(result, indent=2))
         return result
@@ -185,6 +249,13 @@ def main(argv: list[str] | None = None) -> dict:
     for row in result["kv_bytes"]:
         print(f"  {row['shape']:<10} latent {row['latent_bytes_per_token_layer']:6}  per-head K/V "
               f"{row['full_bytes_per_token_layer']:6}  {row['ratio']:5.1f}x smaller")
+    print(f"\nprompts arriving during 4 decodes (every {args.gap_ms:.0f} ms, {args.long} and 32 tokens in turn), "
+          f"median of {args.rounds} runs")
+    for name, label in (("off", "mla_chunked_prefill off (whole prompt)"),
+                        ("on", f"mla_chunked_prefill on ({args.chunk}-token chunks)")):
+        row = result["long_prompts"][name]
+        ttft = "  ".join(f"TTFT p50 {n}-token {v:7.1f} ms" for n, v in row["ttft_p50_ms"].items())
+        print(f"  {label:<40} {ttft}  decode ITL p99 {row['itl_p99_ms']:6.1f} ms  max {row['itl_max_ms']:6.1f} ms")
     return result
 
 
