@@ -138,6 +138,7 @@ def absorb_section(args, dtype: torch.dtype) -> list[dict]:
             q = torch.randn(batch_size, config.num_attention_heads, config.qk_head_dim, dtype=dtype)
             timed = {"absorbed": [], "expanded": []}
             with torch.inference_mode():
+                layer.absorbed_decode(q, batch, store), layer.expanded_decode(q, batch, store)  # warm-up, untimed
                 for _ in range(args.rounds):
                     timed["absorbed"].append(seconds(lambda: layer.absorbed_decode(q, batch, store)))
                     timed["expanded"].append(seconds(lambda: layer.expanded_decode(q, batch, store)))

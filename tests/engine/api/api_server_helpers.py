@@ -16,6 +16,17 @@ MAX_WAITING = 3
 SSM_SLOTS = 2
 
 
+def wait_until_healthy(url: str, proc) -> None:
+    """Until the server's /health answers 200 (``wait_for`` fails naming it, with the process's stderr)."""
+    def healthy():
+        try:
+            return httpx.get(f"{url}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(healthy, "the API's /health", proc)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

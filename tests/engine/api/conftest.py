@@ -4,12 +4,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from api_server_helpers import MAX_WAITING, SSM_SLOTS, Server, free_port  # noqa: E402
-from serve_process import start_serve, stop, wait_for  # noqa: E402
+from api_server_helpers import MAX_WAITING, SSM_SLOTS, Server, free_port, wait_until_healthy  # noqa: E402
+from serve_process import start_serve, stop  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -19,13 +18,6 @@ def api_server(tmp_path_factory):
     proc = start_serve(run_dir, "--workload", "none", "--api-port", str(port), "--ssm-slots", str(SSM_SLOTS),
                        "--kv-blocks", "64", "--max-waiting", str(MAX_WAITING))
     url = f"http://127.0.0.1:{port}"
-
-    def healthy():
-        try:
-            return httpx.get(f"{url}/health", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_for(healthy, "the API's /health", proc)
+    wait_until_healthy(url, proc)
     yield Server(url, run_dir, proc)
     stop(proc)

@@ -2,12 +2,11 @@
 reference's rule, and a prompt over the tick budget is an OpenAI error naming it."""
 from __future__ import annotations
 
-import httpx
 import openai
 import pytest
 
-from api_server_helpers import Server, free_port
-from serve_process import start_serve, stop, wait_for
+from api_server_helpers import Server, free_port, wait_until_healthy
+from serve_process import start_serve, stop
 from telemetry import events as ev
 
 
@@ -19,14 +18,7 @@ def kimi_server(tmp_path_factory):
                        "--kv-blocks", "64", env_extra={"CHUNKSCOPE_MAX_TICK_TOKENS": "400",
                                                        "CHUNKSCOPE_MAX_PREFILL_TOKENS": "32"})
     url = f"http://127.0.0.1:{port}"
-
-    def healthy():
-        try:
-            return httpx.get(f"{url}/health", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_for(healthy, "the API's /health", proc)
+    wait_until_healthy(url, proc)
     yield Server(url, run_dir, proc)
     stop(proc)
 
