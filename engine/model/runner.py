@@ -66,6 +66,7 @@ class ModelRunner:
                                 scratch_slot=compile is not None)
         # The SSM state a forward captured inside its prefill chunk (``capture_at``), else None.
         self.last_capture: SSMSnapshot | None = None
+        self.last_chunk_logits: torch.Tensor | None = None   # [length, V] of the last every_row chunk
         self.fault = fault
         # Keep the MTP layer's K/V in step with every forward (on while speculation = mtp).
         self.mtp_keep_up = False
@@ -144,13 +145,16 @@ class ModelRunner:
 
     # ---- forwards -------------------------------------------------------------------------
     def prefill_chunk(self, seq: SequenceState, prompt: list[int], offset: int, length: int,
-                      is_last: bool, capture_at: int | None = None) -> torch.Tensor | None:
+                      is_last: bool, capture_at: int | None = None,
+                      every_row: bool = False) -> torch.Tensor | None:
         """Run prompt[offset:offset+length]; logits [V] at its last token when ``is_last``.
 
         ``capture_at`` (offset < capture_at < offset+length): also capture the SSM state after
         prompt[:capture_at] into ``self.last_capture`` without splitting the chunk.
+        ``every_row``: also keep the logits of every chunk row in ``self.last_chunk_logits``
+        ([length, V]: row j predicts prompt token offset + j + 1), for prompt logprobs.
         """
-        logits, _ = self.mixed_forward([], [], seq, prompt, offset, length, is_last, capture_at)
+        logits, _ = self.mixed_forward([], [], seq, prompt, offset, length, is_last, capture_at, every_row)
         return logits
 
     def decode(self, seqs: list[SequenceState], tokens: list[int]) -> torch.Tensor:
@@ -160,12 +164,15 @@ class ModelRunner:
 
     def mixed_forward(self, decode_seqs: list[SequenceState], decode_tokens: list[int],
                       prefill_seq: SequenceState | None, prompt: list[int] | None, offset: int, length: int,
-                      is_last: bool, capture_at: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+                      is_last: bool, capture_at: int | None = None,
+                      every_row: bool = False) -> tuple[torch.Tensor | None, torch.Tensor]:
         """ONE forward over [prefill chunk rows | decode rows]; returns (prefill logits [V] or None, [B, V]).
 
-        ``capture_at`` as in ``prefill_chunk``: the captured state lands in ``self.last_capture``.
+        ``capture_at`` and ``every_row`` as in ``prefill_chunk``: the captured state lands in
+        ``self.last_capture``, every chunk row's logits in ``self.last_chunk_logits``.
         """
         self.last_capture = None
+        self.last_chunk_logits = None
         if len(decode_seqs) != len(decode_tokens):
             raise ValueError(f"decode_tokens has {len(decode_tokens)} ids for {len(decode_seqs)} sequences")
         if prefill_seq is None and not decode_seqs:
@@ -188,8 +195,12 @@ class ModelRunner:
         decodes = [(tok, seq.num_cached_tokens, seq.block_table, seq.ssm_slot)
                    for seq, tok in zip(decode_seqs, decode_tokens)]
         rows = list(range(len(chunk), len(chunk) + len(decode_seqs)))
-        if prefill_seq is not None and is_last:
-            rows.insert(0, len(chunk) - 1)
+        num_prefill_rows = 0
+        if prefill_seq is not None and every_row:
+            num_prefill_rows = len(chunk)
+        elif prefill_seq is not None and is_last:
+            num_prefill_rows = 1
+        rows = list(range(len(chunk) - num_prefill_rows, len(chunk))) + rows
         capture = None
         self.last_forward_compiled = prefill_seq is None and self._may_compile(len(decode_seqs))
         if self.last_forward_compiled:
@@ -211,8 +222,10 @@ class ModelRunner:
             seq.num_cached_tokens += 1
         if self.innerq is not None:
             self.innerq.after_forward(moved)  # blocks that left the windows become 4/8-bit
-        prefill_logits = logits[0] if prefill_seq is not None and is_last else None
-        return prefill_logits, logits[len(rows) - len(decode_seqs):]
+        if every_row and prefill_seq is not None:
+            self.last_chunk_logits = logits[:num_prefill_rows]                 # [length, V]
+        prefill_logits = logits[num_prefill_rows - 1] if prefill_seq is not None and is_last else None
+        return prefill_logits, logits[num_prefill_rows:]
 
     def _may_compile(self, rows: int) -> bool:
         """A decode-only forward the compiled step serves: no fault hook, no MTP rows, a bucket that fits."""

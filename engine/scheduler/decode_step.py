@@ -123,7 +123,8 @@ def process_logits(sched: Scheduler, batch: list[Request], logits: torch.Tensor)
     tokens = sample_next(
         logits, params, [a.generator for a in batch],
         [a.num_generated for a in batch], sched.eos_ids,
-        min_p_override=[effective_min_p(a.params, levers.speculation, levers.no_mtp_minp) for a in batch])
+        min_p_override=[effective_min_p(a.params, levers.speculation, levers.no_mtp_minp) for a in batch],
+        output_tokens=[a.output_tokens for a in batch], prompt_tokens=[a.prompt_tokens for a in batch])
     for row, (request, token) in enumerate(zip(batch, tokens.tolist())):
         logprobs.record(request, logits[row], token)
         outputs.append_token(sched, request, token)

@@ -70,6 +70,7 @@ def poll_waiting(sched: Scheduler) -> None:
             _end_compile_error(sched, request, f"{request.grammar_spec.kind} grammar: {exc}")
             continue
         request.grammar = sched.grammars.new_state(compiled)
+        request.grammar_approximations = compiled.approximations
         request.grammar_ready_tick = sched.tick
         request.grammar_future = None
         sched.emit_request(request, "grammar_ready", f"{compiled.spec.kind}, compiled in "

@@ -14,7 +14,7 @@ import torch
 
 from engine.cache.kv import KVCacheExhausted
 from engine.cache.ssm_pool import SSMSnapshot
-from engine.scheduler import decode_step, forward_failure, grammar_step, logprobs, outputs, prefix_step
+from engine.scheduler import decode_step, forward_failure, grammar_step, logprobs, outputs, prefix_step, siblings
 from engine.scheduler.adaptive import params_for_row
 from engine.scheduler.chunk_plan import ChunkPlan, plan_chunk
 from engine.scheduler.first_token import FirstTokenPolicy, sample_first_token
@@ -35,7 +35,7 @@ def plan(sched: Scheduler, req: Request) -> ChunkPlan:
         max_prefill_tokens=levers.max_prefill_tokens,
         slice_budget=levers.slice_budget if levers.always_mixed else None,
         is_mla=runner.is_mla, block_size=runner.kv_block_size,
-        ssm_tail_ckpt=levers.ssm_tail_ckpt, ssm_tail_midchunk=levers.ssm_tail_midchunk,
+        ssm_tail_ckpt=siblings.tail_ckpt(sched, req), ssm_tail_midchunk=levers.ssm_tail_midchunk,
         tail_split=runner.model.prefill_tail_split(req.prompt_tokens))
 
 
@@ -106,7 +106,8 @@ def _run_mixed(sched: Scheduler, req: Request, chunk: ChunkPlan, row: ev.ChunkDe
             prefill_logits, decode_logits = sched.runner.mixed_forward(
                 [a.seq for a in decodes], [a.last_token for a in decodes], req.seq,
                 req.prompt_tokens, req.chunk_offset, chunk.length, chunk.is_last,
-                prefix_step.capture_point(sched, req, req.chunk_offset, chunk.length))
+                prefix_step.capture_point(sched, req, req.chunk_offset, chunk.length),
+                every_row=logprobs.wants_prompt_logprobs(req))
         except KVCacheExhausted as exc:
             # The fused forward could not get blocks for chunk + decodes together; the plain
             # path preempts as the reference does, and the row says why it fell back.
@@ -163,7 +164,8 @@ def _run_plain(sched: Scheduler, req: Request, chunk: ChunkPlan, row: ev.ChunkDe
             try:
                 logits = sched.runner.prefill_chunk(
                     req.seq, req.prompt_tokens, req.chunk_offset, chunk.length, chunk.is_last,
-                    prefix_step.capture_point(sched, req, req.chunk_offset, chunk.length))
+                    prefix_step.capture_point(sched, req, req.chunk_offset, chunk.length),
+                    every_row=logprobs.wants_prompt_logprobs(req))
                 break
             except KVCacheExhausted as exc:
                 victim = decode_step.choose_victim(sched)
@@ -196,8 +198,11 @@ def _run_plain(sched: Scheduler, req: Request, chunk: ChunkPlan, row: ev.ChunkDe
 
 
 def _after_chunk(sched: Scheduler, req: Request, chunk: ChunkPlan) -> None:
-    """SSM normalization, then the prefix cache's blocks and snapshots; on the current (prefill)
-    stream, so on a GPU they read the state the chunk's forward wrote, not an older one."""
+    """The chunk's prompt logprobs (when asked for), SSM normalization, then the prefix cache's blocks
+    and snapshots; on the current (prefill) stream, so on a GPU they read the state the chunk's
+    forward wrote, not an older one."""
+    if logprobs.wants_prompt_logprobs(req):
+        logprobs.record_prompt(req, sched.runner.last_chunk_logits, req.chunk_offset - chunk.length)
     _normalize(sched, req)
     prefix_step.on_chunk_done(sched, req, chunk)
 
@@ -234,7 +239,8 @@ def _first_token(sched: Scheduler, req: Request, logits: torch.Tensor, row: ev.C
         min_p = effective_min_p(req.params, sched.levers.speculation, sched.levers.no_mtp_minp)
         params = params_for_row(req.params, req.region, sched.levers.adaptive_sampling)
         allowed = grammar_step.first_token_allowed(sched, req) if policy.grammar_applies else None
-        token = sample_first_token(logits, params, req.generator, policy, sched.eos_ids, min_p, allowed)
+        token = sample_first_token(logits, params, req.generator, policy, sched.eos_ids, min_p, allowed,
+                                   prompt_tokens=req.prompt_tokens)
         logprobs.record(req, logits, token)
     except Exception as exc:
         row.outcome = ev.OUTCOME_FAILED_FIRST_TOKEN

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from engine.cache.prefix import PrefixCache, PrefixMatch
 from engine.cache.ssm_pool import SSMSnapshot
+from engine.scheduler import siblings
 from engine.scheduler.chunk_plan import ChunkPlan, ssm_tail_boundary
 from engine.scheduler.request import Request
 from telemetry import events as ev
@@ -65,8 +66,11 @@ class PrefixStep:
     def admit(self, req: Request) -> None:
         """Attach the cached prefix to ``req`` (its slot is fresh) and start prefill after it."""
         match = self.cache.match(req.prompt_tokens)
+        if match.num_tokens and req.features.prompt_logprobs is not None:
+            match = _no_hit(match, "prompt logprobs asked for: every prompt position is computed")
         if match.num_tokens and not self._fits(match, req):
-            match = _no_room(match)
+            match = _no_hit(match, f"KV cache full: the cached prefix of {match.num_tokens} tokens could not "
+                                   f"be revived alongside the first chunk")
         self.cache.attach(req.seq, match)
         if match.snapshot is not None:
             self.sched.runner.ssm_pool.restore(match.snapshot, req.seq.ssm_slot)
@@ -154,7 +158,7 @@ def snapshot_points(sched: Scheduler, req: Request) -> set[int]:
     """Prompt positions where an SSM snapshot is stored under the current levers."""
     block_size = sched.runner.kv_block_size
     points = set()
-    if sched.levers.ssm_tail_ckpt:
+    if siblings.tail_ckpt(sched, req):
         tail = ssm_tail_boundary(req.prompt_len, block_size)
         if tail is not None:
             points.add(tail)
@@ -165,7 +169,7 @@ def snapshot_points(sched: Scheduler, req: Request) -> set[int]:
 
 def capture_point(sched: Scheduler, req: Request, offset: int, length: int) -> int | None:
     """The tail boundary when it lies strictly inside this chunk and mid-chunk capture is on."""
-    if sched.prefix is None or not (sched.levers.ssm_tail_ckpt and sched.levers.ssm_tail_midchunk):
+    if sched.prefix is None or not (siblings.tail_ckpt(sched, req) and sched.levers.ssm_tail_midchunk):
         return None
     if not sched.runner.config.linear_attention_layers:
         return None
@@ -173,10 +177,8 @@ def capture_point(sched: Scheduler, req: Request, offset: int, length: int) -> i
     return tail if tail is not None and offset < tail < offset + length else None
 
 
-def _no_room(match: PrefixMatch) -> PrefixMatch:
-    """An empty match that says the cached prefix could not be revived for lack of blocks."""
-    reason = (f"KV cache full: the cached prefix of {match.num_tokens} tokens could not be revived "
-              f"alongside the first chunk")
+def _no_hit(match: PrefixMatch, reason: str) -> PrefixMatch:
+    """An empty match that says why the cached prefix is not used."""
     return PrefixMatch(num_tokens=0, block_ids=(), block_hashes=(), num_prompt_tokens=match.num_prompt_tokens,
                        num_kv_tokens=match.num_kv_tokens, snapshot=None, miss_reason=reason)
 
