@@ -64,8 +64,9 @@ def grammar_for(info: Any, *, response_format: Any = None, structured_outputs: A
     try:
         compiled = info.grammars.compile_now(spec, timeout_s=COMPILE_TIMEOUT_S)
     except GrammarCompileError as exc:
-        hint = " (strict: this keyword is refused; leave strict off to have it ignored)" if not spec.lenient else ""
-        raise bad_request(f"{param}: {exc}{hint}", param, "invalid_grammar") from None
+        about = f" [schema keyword: {', '.join(exc.keywords)}]" if exc.keywords else ""
+        hint = "; strict refuses it, leave strict off to have it ignored" if exc.keywords and not spec.lenient else ""
+        raise bad_request(f"{param}: {exc}{about}{hint}", param, "invalid_grammar") from None
     return spec.to_dict(), compiled.approximations
 
 

@@ -37,7 +37,12 @@ LENIENT_OPTIONS = {"lenient": True, "coerce_one_of": True}
 
 
 class GrammarCompileError(ValueError):
-    """The grammar text does not compile; the message is llguidance's, naming the problem."""
+    """The grammar text does not compile; the message is llguidance's, naming the problem, and
+    ``keywords`` the JSON schema keywords it is about (empty when it names none)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.keywords = schema_walk.keywords_of(message)
 
 
 def grammar_text(spec: GrammarSpec) -> str:
@@ -144,10 +149,7 @@ class GrammarCompiler:
         self.num_compiled += 1
         approximations = ()
         if spec.lenient:
-            approximations = schema_walk.approximations(matcher.get_grammar_warnings(),
-                                                        spec.value if spec.kind == KIND_JSON_SCHEMA else None)
-            if spec.kind == KIND_LARK and '"oneOf":[' in spec.value:   # a tool call's %json (compact JSON)
-                approximations = tuple(sorted({*approximations, schema_walk.ONE_OF}))
+            approximations = schema_walk.approximations(matcher.get_grammar_warnings())
         return CompiledGrammar(spec, matcher, time.monotonic_ns() - start, approximations)
 
 
