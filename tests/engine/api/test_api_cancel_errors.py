@@ -27,7 +27,7 @@ def metric_values(server) -> dict[tuple[str, tuple], float]:
     values = {}
     for family in text_string_to_metric_families(server.metrics_text()):
         for sample in family.samples:
-            labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name"))
+            labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k not in ("model_name", "engine")))
             values[(sample.name, labels)] = sample.value
     return values
 
