@@ -20,17 +20,20 @@ def _absent(exc: DataUnavailable) -> bool:
 
 
 def marks(db: Path, run_id: int, request_ids: list[int]) -> pd.DataFrame:
-    """request_id, grammar_kind, grammar_valid for the listed requests (empty without grammar columns)."""
+    """request_id, grammar_kind, grammar_valid and grammar_approximations (when the store has that
+    column) for the listed requests (empty without grammar columns)."""
     empty = pd.DataFrame(columns=["request_id", "grammar_kind", "grammar_valid"])
     if not request_ids:
         return empty
-    try:
-        return query_df(db, f"SELECT request_id, grammar_kind, grammar_valid FROM requests WHERE run_id = ? "
-                            f"AND request_id IN ({placeholders(request_ids)})", [run_id, *request_ids])
-    except DataUnavailable as exc:
-        if _absent(exc):
-            return empty
-        raise
+    where = f"FROM requests WHERE run_id = ? AND request_id IN ({placeholders(request_ids)})"
+    for columns in ("grammar_kind, grammar_valid, grammar_approximations",
+                    "grammar_kind, grammar_valid"):   # a store written before lenient compiles
+        try:
+            return query_df(db, f"SELECT request_id, {columns} {where}", [run_id, *request_ids])
+        except DataUnavailable as exc:
+            if not _absent(exc):
+                raise
+    return empty
 
 
 def summary(db: Path, run_id: int) -> dict | None:
