@@ -4,7 +4,7 @@ One place maps every OpenAI field to the engine's parameters and checks what onl
 engine's size can decide (vocabulary, context, KV cache), so a bad request is answered
 with a 400 naming the field before anything reaches the tick loop. A new field is a line
 in ``protocol.py`` and a line here. One HTTP request becomes one engine request per choice:
-a list of prompts times ``n`` (``choices.py`` fans them out).
+a list of prompts times ``n`` (``fan_out``; ``choices.py`` joins their replies).
 """
 from __future__ import annotations
 
@@ -140,7 +140,7 @@ def completion_requests(info: EngineInfo, body: CompletionRequest) -> list[Engin
         max_tokens = 16 if body.max_tokens is None else max(body.max_tokens, 1)
         one = _engine_request(info, body, tokens, max_tokens, features, (), tools_allowed=False, grammar=grammar)
         out += fan_out(one, body.n, first_index=len(out), echo=echo, hide_output=body.max_tokens == 0,
-                               approximations=approximations)
+                       approximations=approximations)
     return out
 
 

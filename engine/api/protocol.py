@@ -75,7 +75,7 @@ class SamplingFields(TopBody):
     logit_bias: dict[str, float] | None = None      # token id (as text) -> bias in [-100, 100]
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)   # vLLM's
+    repetition_penalty: float = Field(1.0, gt=0.0)           # vLLM's (1 = off)
     response_format: ResponseFormat | None = None   # structured output (engine/api/structured.py)
     structured_outputs: StructuredOutputs | None = None
 

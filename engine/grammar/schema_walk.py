@@ -1,4 +1,5 @@
-"""Pure walks over a JSON schema: where ``oneOf`` is, what a lenient compile ignored, free strings.
+"""Pure functions over a JSON schema and llguidance's words about it: the keywords a lenient compile
+ignored or a strict one refused, and bounds for free strings.
 
 A lenient compile (``compiler.py``) lets llguidance ignore the keywords it does not implement
 and treat ``oneOf`` as ``anyOf`` where it cannot prove them equal; what it ignored is reported,

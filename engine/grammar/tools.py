@@ -6,7 +6,7 @@ Qwen's tool-call format is the tool-call start token, a newline, one JSON object
 ``parameters`` schema; with a named tool_choice only that one. A function with no
 ``parameters`` takes none (OpenAI's reading): its arguments are ``{}``. The result is a Lark
 grammar (the special tokens by id, the JSON through llguidance's ``%json``), compact like every
-JSON grammar here, lenient unless asked strict (``spec.py``). The first-token policy forces
+JSON grammar here, and lenient when asked (``spec.py``; the API asks unless a tool is strict). The first-token policy forces
 token 0 to the tool-call start; the grammar takes it as its first token.
 """
 from __future__ import annotations

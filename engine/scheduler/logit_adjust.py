@@ -66,8 +66,8 @@ def check(params, vocab_size: int) -> None:
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not -MAX_PENALTY <= value <= MAX_PENALTY:
             raise ValueError(f"sampling.{name} must be a number in [-{MAX_PENALTY}, {MAX_PENALTY}], got {value!r}")
     r = params.repetition_penalty
-    if not isinstance(r, (int, float)) or isinstance(r, bool) or not 0.0 < r <= 10.0:
-        raise ValueError(f"sampling.repetition_penalty must be a number in (0, 10], got {r!r}")
+    if not isinstance(r, (int, float)) or isinstance(r, bool) or not 0.0 < r < float("inf"):
+        raise ValueError(f"sampling.repetition_penalty must be a finite number > 0 (1 = off), got {r!r}")
     for entry in params.logit_bias:
         if not (isinstance(entry, (tuple, list)) and len(entry) == 2):
             raise ValueError(f"sampling.logit_bias entries must be [token_id, bias] pairs, got {entry!r}")

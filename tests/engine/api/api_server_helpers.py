@@ -17,7 +17,8 @@ SSM_SLOTS = 2
 
 
 def started_server(run_dir: Path, *args: str) -> Server:
-    """``serve --workload none --api-port P *args`` on a free port, once its /health answers."""
+    """``serve --workload none --api-port P *args`` on a free port, once its /health answers (a
+    ``--workload`` in ``args`` wins: argparse keeps the last)."""
     port = free_port()
     proc = start_serve(run_dir, "--workload", "none", "--api-port", str(port), *args)
     url = f"http://127.0.0.1:{port}"

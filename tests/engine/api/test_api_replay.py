@@ -9,7 +9,7 @@ import zipfile
 import httpx
 import openai
 
-from api_server_helpers import free_port
+from api_server_helpers import free_port, started_server
 from engine.replay.rerun import load_input, replay_run
 from engine.replay.compare import compare
 from serve_process import kill_quietly, start_serve, stop, wait_for
@@ -84,9 +84,8 @@ def _up(client) -> bool:
 def test_issue_31_features_replay_identically(tmp_path):
     """n siblings (tail snapshot, prefix hits), logit_bias and penalties, echo's prompt logprobs and a
     lenient schema travel with their requests: the bundle replays decision and token identical."""
-    port = free_port()
-    proc = start_serve(tmp_path, "--workload", "none", "--api-port", str(port), "--ssm-slots", "4", "--kv-blocks", "64")
-    url = f"http://127.0.0.1:{port}/v1"
+    server = started_server(tmp_path, "--ssm-slots", "4", "--kv-blocks", "64")
+    proc, url = server.proc, f"{server.url}/v1"
     prompt = list(b"Replay the siblings of this prompt, please.")   # 42 tokens: tail boundary 32
     schema = {"type": "array", "items": {"type": "integer", "maximum": 9}, "uniqueItems": True, "maxItems": 3}
     bodies = [("completions", {"prompt": prompt, "n": 3, "max_tokens": 6, "temperature": 0.9, "seed": 4,
@@ -96,7 +95,6 @@ def test_issue_31_features_replay_identically(tmp_path):
               ("chat/completions", {"messages": [{"role": "user", "content": "nums"}], "max_tokens": 12,
                                     "temperature": 0, "structured_outputs": {"json": schema}})]
     try:
-        wait_for(lambda: _healthy(port), "the API", proc)
         for path, body in bodies:
             response = httpx.post(f"{url}/{path}", json={"model": "tiny", **body}, timeout=60)
             assert response.status_code == 200, response.text
@@ -111,9 +109,3 @@ def test_issue_31_features_replay_identically(tmp_path):
     assert report["first_divergence"] is None, report["first_divergence"]
     assert report["decisions_identical"] and report["tokens_identical"]
 
-
-def _healthy(port: int) -> bool:
-    try:
-        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
