@@ -24,7 +24,8 @@ MAX_PENALTY = 2.0         # OpenAI's bound on frequency / presence penalties (ei
 
 
 def needs_adjusting(params) -> bool:
-    """Does this row's SamplingParams ask for any bias or penalty?"""
+    """Does this row's SamplingParams ask for any bias or penalty? (``SamplingParams.adjusts_logits``
+    keeps the answer.)"""
     return bool(params.logit_bias) or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0 \
         or params.repetition_penalty != 1.0
 
@@ -54,7 +55,7 @@ def adjust(logits: torch.Tensor,                       # [B, V], modified in pla
            prompt_tokens: Sequence[Sequence[int]] | None) -> None:
     """Every row that asks for a bias or a penalty gets it (rows that do not are left alone)."""
     for i, p in enumerate(params):
-        if needs_adjusting(p):
+        if p.adjusts_logits:
             adjust_row(logits[i], p, output_tokens[i] if output_tokens is not None else (),
                        prompt_tokens[i] if prompt_tokens is not None else ())
 

@@ -13,6 +13,7 @@ so neither batch size nor row order can change a seeded request's tokens.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Sequence
@@ -44,6 +45,11 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @functools.cached_property
+    def adjusts_logits(self) -> bool:
+        """A logit bias or a penalty to apply (worked out once: the tick asks for every row)."""
+        return logit_adjust.needs_adjusting(self)
 
     def validate(self, vocab_size: int) -> "SamplingParams":
         """Raise ValueError naming the first bad field; return self when all are fine."""
