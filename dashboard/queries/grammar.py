@@ -25,15 +25,20 @@ def marks(db: Path, run_id: int, request_ids: list[int]) -> pd.DataFrame:
     empty = pd.DataFrame(columns=["request_id", "grammar_kind", "grammar_valid"])
     if not request_ids:
         return empty
-    where = f"FROM requests WHERE run_id = ? AND request_id IN ({placeholders(request_ids)})"
-    for columns in ("grammar_kind, grammar_valid, grammar_approximations",
-                    "grammar_kind, grammar_valid"):   # a store written before lenient compiles
-        try:
-            return query_df(db, f"SELECT request_id, {columns} {where}", [run_id, *request_ids])
-        except DataUnavailable as exc:
-            if not _absent(exc):
-                raise
-    return empty
+    params = [run_id, *request_ids]
+    try:
+        return query_df(db, "SELECT request_id, grammar_kind, grammar_valid, grammar_approximations FROM requests "
+                            f"WHERE run_id = ? AND request_id IN ({placeholders(request_ids)})", params)
+    except DataUnavailable as exc:
+        if not _absent(exc):
+            raise
+    try:   # a store written before lenient compiles
+        return query_df(db, "SELECT request_id, grammar_kind, grammar_valid FROM requests "
+                            f"WHERE run_id = ? AND request_id IN ({placeholders(request_ids)})", params)
+    except DataUnavailable as exc:
+        if _absent(exc):
+            return empty
+        raise
 
 
 def summary(db: Path, run_id: int) -> dict | None:
