@@ -78,7 +78,7 @@ class API:
     def after_tick(self, sched) -> None:
         """Tokens and ends go out; the gauges show the pools now (also right after a cancel)."""
         self.bridge.publish(sched)
-        bm, pool = sched.runner.block_manager, sched.runner.ssm_pool
+        bm, pool = sched.pools.blocks, sched.pools.ssm
         self.metrics.set_state(num_running=len(sched.active) + int(sched.prefilling is not None),
                                num_waiting=len(sched.waiting), kv_blocks_used=bm.num_used,
                                kv_blocks_total=bm.num_usable, ssm_slots_used=pool.num_used)
@@ -94,7 +94,7 @@ class API:
 
 
 def frontend_config(args: argparse.Namespace, setup) -> FrontendConfig:
-    model, bm = setup.model, setup.runner.block_manager
+    model, bm = setup.model, setup.scheduler.pools.blocks
     return FrontendConfig(model_name=setup.model_name, checkpoint_dir=str(setup.checkpoint_dir),
                           vocab_size=setup.runner.vocab_size, max_context=setup.scheduler.max_context,
                           num_kv_blocks=bm.num_blocks, block_size=bm.block_size,
@@ -113,10 +113,11 @@ def start_api(args: argparse.Namespace, setup, dropped) -> API | None:
     if setup.tokenizer is None:
         raise ValueError(f"--api-port: the checkpoint {setup.checkpoint_dir} has no tokenizer.json to read text with")
     frontend = FrontendProcess(frontend_config(args, setup), in_process=not args.api_process)
-    bm, runner = setup.runner.block_manager, setup.runner
+    pools = setup.scheduler.pools
     metrics = EngineMetrics(setup.model_name, dropped, max_model_len=setup.scheduler.max_context, cache_config={
-        "block_size": bm.block_size, "num_gpu_blocks": bm.num_blocks, "num_ssm_slots": runner.ssm_pool.num_slots,
-        "enable_prefix_caching": setup.scheduler.prefix is not None, "cache_dtype": str(runner.dtype)})
+        "block_size": pools.blocks.block_size, "num_gpu_blocks": pools.blocks.num_blocks,
+        "num_ssm_slots": pools.ssm.num_slots, "enable_prefix_caching": pools.prefix is not None,
+        "cache_dtype": str(setup.runner.dtype)})
     bridge = EngineBridge(frontend.start(), lambda: list(metrics.registry.collect()))
     log.info("API listening on %s (%s, chat template: %s)", frontend.url,
              f"frontend process {frontend.pid}" if args.api_process else "frontend thread", frontend.chat_template)

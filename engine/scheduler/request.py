@@ -51,7 +51,7 @@ class Request:
     grammar_valid: bool | None = None       # the ended output is a complete sentence of the grammar
     grammar_approximations: tuple[str, ...] = ()   # schema keywords its lenient compile ignored
     pending_drafts: list[int] = field(default_factory=list)
-    # Left by the last speculative step for the next one (engine/spec/spec_step.py): the
+    # Left by the last speculative step for the next one (engine/scheduler/spec_step.py): the
     # cached-token count the drafts were proposed at (made on the secondary stream). Stale
     # once any other forward advances the sequence.
     pending_drafts_at: int | None = None
