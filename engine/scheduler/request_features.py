@@ -56,8 +56,13 @@ class RequestFeatures:
         return self
 
     def to_dict(self) -> dict[str, Any]:
+        """As stored; prompt logprobs and the choice fields only when set (rows of requests without
+        them read as before those fields existed)."""
         d = asdict(self)
         d["stop_strings"] = list(self.stop_strings)
+        for name, off in (("prompt_logprobs", None), ("n", 1), ("choice", 0)):
+            if d[name] == off:
+                del d[name]
         return d
 
     @classmethod

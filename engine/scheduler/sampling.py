@@ -25,6 +25,9 @@ from engine.scheduler.json_fields import strict_kwargs
 from engine.spec.kinds import SPEC_MTP, is_speculative
 
 
+_ADJUSTMENTS_OFF = {"logit_bias": [], "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """What one request asks of the sampler. ``top_k=0`` and ``top_p=1`` mean "off"."""
@@ -78,9 +81,14 @@ class SamplingParams:
         return self
 
     def to_dict(self) -> dict[str, Any]:
+        """As stored (the request row, workload.jsonl); the bias and penalties only when set, so the
+        rows of requests without them read as they did before those fields existed."""
         d = asdict(self)
         d["stop_token_ids"] = list(self.stop_token_ids)
         d["logit_bias"] = [list(pair) for pair in self.logit_bias]
+        for name, off in _ADJUSTMENTS_OFF.items():
+            if d[name] == off:
+                del d[name]
         return d
 
     @classmethod
