@@ -1,11 +1,12 @@
-// y[M, N] = x[M, K] . W[N, K]^T (+ bias[N]) for few rows M (decode), AVX2 + FMA, float32, one thread.
+// y[M, N] = x[M, K] . W[N, K]^T (+ bias[N]) for few rows M (decode), float32, one thread; AVX2 + FMA
+// or AVX-512 (vec.h).
 //
 // The weight is packed once (pack_weight_f32) into panels of NR = 16 output columns, each panel
 // K-major: packed[p][k][j] = W[p * 16 + j, k], N zero-padded up to a multiple of 16. A panel is
 // one contiguous stream and each k step reads exactly one 64-byte line of it.
 //
-// Outer-product register tile of MR (<= 6) input rows x 16 columns: per k step two weight
-// vectors are loaded and each of the MR input values is broadcast against both, so 2 + MR loads
+// Outer-product register tile of MR input rows x two vectors (AVX2: MR <= 6, 16 columns, one
+// panel): per k step two weight vectors are loaded and each of the MR input values is broadcast against both, so 2 + MR loads
 // feed 2 * MR FMAs, and no horizontal sums. 12 accumulators + 2 weight vectors + 1 broadcast =
 // 15 ymm: no spills in the k loops (checked with g++ -S). Rows beyond 6 loop the tile over even
 // row groups (8 rows: 4 + 4) while the panel is hot in L1/L2, so the weight is read from memory
@@ -18,95 +19,134 @@
 // swiglu_gemm_f32 is the same loop over the MLP's gate and up weights packed in pairs (each panel
 // 8 gate + the matching 8 up columns): the tile applies SiLU(gate) * up to its accumulators, so
 // the [M, 2 I] projection, its split and the two elementwise ops of the torch path never exist.
-#include <immintrin.h>
+//
+// Width-generic (vec.h): W = 8 lanes (AVX2) or 16 (AVX-512). The packed layout is the same for
+// both, so a packed copy serves either build: a tile is always two vectors wide, i.e. one panel
+// with 8 lanes and two adjacent panels with 16 (the last tile of an odd panel count: one vector).
+// Each output is one FMA chain over k in the same order in both widths: the two builds agree
+// bit for bit (tests/engine/test_kernel_isa.py).
+// With 16 lanes and 32 registers a tile takes up to 12 rows (24 accumulators + 2 weights + 1
+// broadcast), so a batch of 8 rows is one pass over the weight and 32 rows three.
 #include <stdint.h>
 
-#include "avx2_math.h"
+#include "vec.h"
 
 namespace {
 
-constexpr int NR = 16;          // columns per panel (two ymm)
-constexpr int MAX_MR = 6;       // rows per register tile
-constexpr int64_t PREFETCH_PANELS = 2;  // 1 and 3-4 panels, or hints T1 / NTA: no better, within the noise
+constexpr int NR = 16;                           // columns per panel (the packed layout; any width)
+constexpr int TILE_COLS = 2 * vec::W;            // columns per tile: 1 panel (W = 8) or 2 (W = 16)
+constexpr int MAX_MR = vec::W == 16 ? 12 : 6;    // rows per register tile
+constexpr int64_t PREFETCH_TILES = 2;  // with 8 lanes, 1 and 3-4 panels, or hints T1 / NTA: no better, within the noise
 
-// SWIGLU: the panel holds 8 gate columns then the same 8 up columns (pack_swiglu_weight_f32) and
-// the tile writes their SiLU(gate) * up, 8 columns per row; else the 16 plain columns.
-template <int MR, bool SWIGLU>
-inline void tile(const float* panel, const float* x, int64_t ldx, int64_t k, float* out, int64_t ldo,
-                 const float* prefetch, int64_t prefetch_lines, int64_t every) {
-    __m256 acc0[MR], acc1[MR];
-    for (int m = 0; m < MR; ++m) acc0[m] = acc1[m] = _mm256_setzero_ps();
+// The tile of MR rows by VECS vectors starting at packed column c0 (a multiple of TILE_COLS):
+// vector v covers packed columns [c0 + v W, c0 + (v + 1) W), which lie in panel (c0 + v W) / 16.
+// SWIGLU: the panels hold 8 gate columns then the same 8 up columns (pack_swiglu_weight_f32) and
+// the tile writes their SiLU(gate) * up, VECS * W / 2 columns per row; else its VECS * W plain columns.
+// Each prefetch step touches one line of each of the ``prefetch_panels`` panels at ``prefetch``.
+template <int MR, int VECS, bool SWIGLU>
+inline void tile(const float* packed, int64_t c0, const float* x, int64_t ldx, int64_t k, float* out, int64_t ldo,
+                 const float* prefetch, int64_t prefetch_panels, int64_t prefetch_lines, int64_t every) {
+    const float* base[VECS];
+    for (int v = 0; v < VECS; ++v) base[v] = packed + ((c0 + v * vec::W) / NR) * k * NR + (c0 + v * vec::W) % NR;
+    vec::V acc[VECS][MR];
+    for (int v = 0; v < VECS; ++v)
+        for (int m = 0; m < MR; ++m) acc[v][m] = vec::zero();
     int64_t countdown = 1;
     for (int64_t i = 0; i < k; ++i) {
-        const __m256 w0 = _mm256_loadu_ps(panel + i * NR);
-        const __m256 w1 = _mm256_loadu_ps(panel + i * NR + 8);
+        vec::V w[VECS];
+        for (int v = 0; v < VECS; ++v) w[v] = vec::load(base[v] + i * NR);
         if (prefetch_lines > 0 && --countdown == 0) {
             countdown = every;
-            _mm_prefetch((const char*)prefetch, _MM_HINT_T0);
+            for (int64_t p = 0; p < prefetch_panels; ++p) vec::prefetch(prefetch + p * k * NR);
             prefetch += NR;
             --prefetch_lines;
         }
         for (int m = 0; m < MR; ++m) {
-            const __m256 xv = _mm256_broadcast_ss(x + m * ldx + i);
-            acc0[m] = _mm256_fmadd_ps(w0, xv, acc0[m]);
-            acc1[m] = _mm256_fmadd_ps(w1, xv, acc1[m]);
+            const vec::V xv = vec::broadcast(x + m * ldx + i);
+            for (int v = 0; v < VECS; ++v) acc[v][m] = vec::fmadd(w[v], xv, acc[v][m]);
         }
     }
     for (int m = 0; m < MR; ++m) {
         if (SWIGLU) {
-            _mm256_storeu_ps(out + m * ldo, _mm256_mul_ps(avx2::silu(acc0[m]), acc1[m]));
+            vec::V gate, up;
+            vec::split_pairs(acc[0][m], acc[VECS - 1][m], gate, up);  // one vector: its own halves (W = 16)
+            vec::store(out + m * ldo, vec::mul(vec::silu(gate), up));
         } else {
-            _mm256_storeu_ps(out + m * ldo, acc0[m]);
-            _mm256_storeu_ps(out + m * ldo + 8, acc1[m]);
+            for (int v = 0; v < VECS; ++v) vec::store(out + m * ldo + v * vec::W, acc[v][m]);
         }
     }
 }
 
-template <bool SWIGLU>
-inline void tile_rows(int rows, const float* panel, const float* x, int64_t ldx, int64_t k, float* out,
-                      int64_t ldo, const float* prefetch, int64_t prefetch_lines, int64_t every) {
+template <int VECS, bool SWIGLU>
+inline void tile_rows(int rows, const float* packed, int64_t c0, const float* x, int64_t ldx, int64_t k, float* out,
+                      int64_t ldo, const float* prefetch, int64_t prefetch_panels, int64_t prefetch_lines,
+                      int64_t every) {
+#define CS_TILE(MR) tile<MR, VECS, SWIGLU>(packed, c0, x, ldx, k, out, ldo, prefetch, prefetch_panels, prefetch_lines, every)
     switch (rows) {
-        case 6: tile<6, SWIGLU>(panel, x, ldx, k, out, ldo, prefetch, prefetch_lines, every); break;
-        case 5: tile<5, SWIGLU>(panel, x, ldx, k, out, ldo, prefetch, prefetch_lines, every); break;
-        case 4: tile<4, SWIGLU>(panel, x, ldx, k, out, ldo, prefetch, prefetch_lines, every); break;
-        case 3: tile<3, SWIGLU>(panel, x, ldx, k, out, ldo, prefetch, prefetch_lines, every); break;
-        case 2: tile<2, SWIGLU>(panel, x, ldx, k, out, ldo, prefetch, prefetch_lines, every); break;
-        default: tile<1, SWIGLU>(panel, x, ldx, k, out, ldo, prefetch, prefetch_lines, every); break;
+#if CHUNKSCOPE_VEC_WIDTH == 16
+        case 12: CS_TILE(12); break;
+        case 11: CS_TILE(11); break;
+        case 10: CS_TILE(10); break;
+        case 9: CS_TILE(9); break;
+        case 8: CS_TILE(8); break;
+        case 7: CS_TILE(7); break;
+#endif
+        case 6: CS_TILE(6); break;
+        case 5: CS_TILE(5); break;
+        case 4: CS_TILE(4); break;
+        case 3: CS_TILE(3); break;
+        case 2: CS_TILE(2); break;
+        default: CS_TILE(1); break;
     }
+#undef CS_TILE
 }
 
-// The panel loop of both kinds: y [m_rows, n_out] (row stride ldy) from x [m_rows, k] and the
-// packed panels; each panel yields OUT = 16 plain columns, or 8 SwiGLU ones.
+// The tile loop of both kinds: y [m_rows, n_out] (row stride ldy) from x [m_rows, k] and the
+// packed panels; a panel yields 16 plain columns, or 8 SwiGLU ones.
 template <bool SWIGLU>
 void gemm(const float* x, int64_t ldx, const float* packed, const float* bias, float* y, int64_t ldy,
           int64_t m_rows, int64_t n_out, int64_t k) {
-    constexpr int OUT = SWIGLU ? NR / 2 : NR;
-    const int64_t panels = (n_out + OUT - 1) / OUT;
+    constexpr int PANEL_OUT = SWIGLU ? NR / 2 : NR;  // output columns per panel
+    const int64_t panels = (n_out + PANEL_OUT - 1) / PANEL_OUT;
+    constexpr int TILE_PANELS = TILE_COLS / NR;
+    const int64_t tiles = (panels + TILE_PANELS - 1) / TILE_PANELS;
     const int64_t groups = (m_rows + MAX_MR - 1) / MAX_MR;
     // Even row groups (8 rows: 4 + 4, not 6 + 2): the short tile is the load-bound one.
     const int64_t base_rows = m_rows / groups, extra = m_rows % groups;
-    float edge[MAX_MR * NR];  // the last panel's tile when n_out is not a multiple of OUT
-    for (int64_t p = 0; p < panels; ++p) {
-        const float* panel = packed + p * k * NR;
-        const int64_t n0 = p * OUT, cols = n_out - n0 < OUT ? n_out - n0 : OUT;
-        const float* ahead = p + PREFETCH_PANELS < panels ? packed + (p + PREFETCH_PANELS) * k * NR : nullptr;
-        // Group g prefetches lines [g * k / groups, (g + 1) * k / groups) of the panel ahead, one every `groups` k steps.
+    float edge[MAX_MR * TILE_COLS];  // a tile's output when its columns run past n_out
+    for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t p0 = t * TILE_PANELS;
+        const int64_t tile_panels = panels - p0 < TILE_PANELS ? panels - p0 : TILE_PANELS;
+        const int64_t c0 = p0 * NR, n0 = p0 * PANEL_OUT;
+        const int64_t out_cols = tile_panels * PANEL_OUT, cols = n_out - n0 < out_cols ? n_out - n0 : out_cols;
+        // The tile PREFETCH_TILES ahead, one line of each of its panels per prefetch step; group g
+        // takes lines [g * k / groups, (g + 1) * k / groups), one every `groups` k steps.
+        const int64_t ahead_panel = p0 + PREFETCH_TILES * TILE_PANELS;
+        const float* ahead = ahead_panel < panels ? packed + ahead_panel * k * NR : nullptr;
+        const int64_t ahead_panels = ahead && panels - ahead_panel < TILE_PANELS ? panels - ahead_panel : TILE_PANELS;
+        const bool whole = cols == out_cols && tile_panels * NR == TILE_COLS;  // else through `edge`
         int64_t m = 0;
         for (int64_t g = 0; g < groups; ++g) {
             const int rows = (int)(base_rows + (g < extra ? 1 : 0));
             const int64_t first_line = g * k / groups, lines = ahead ? (g + 1) * k / groups - first_line : 0;
             const float* pf = ahead ? ahead + first_line * NR : nullptr;
             const float* xg = x + m * ldx;
-            if (cols == OUT) {
-                float* out = y + m * ldy + n0;
-                tile_rows<SWIGLU>(rows, panel, xg, ldx, k, out, ldy, pf, lines, groups);
+            float* out = whole ? y + m * ldy + n0 : edge;
+            const int64_t ldo = whole ? ldy : TILE_COLS;
+            if constexpr (TILE_PANELS == 1)
+                tile_rows<2, SWIGLU>(rows, packed, c0, xg, ldx, k, out, ldo, pf, ahead_panels, lines, groups);
+            else if (tile_panels == TILE_PANELS)
+                tile_rows<2, SWIGLU>(rows, packed, c0, xg, ldx, k, out, ldo, pf, ahead_panels, lines, groups);
+            else  // the last tile of an odd panel count: one vector, one panel
+                tile_rows<1, SWIGLU>(rows, packed, c0, xg, ldx, k, out, ldo, pf, ahead_panels, lines, groups);
+            if (whole) {
                 if (bias)
                     for (int r = 0; r < rows; ++r)
-                        for (int j = 0; j < OUT; ++j) out[r * ldy + j] += bias[n0 + j];
+                        for (int64_t j = 0; j < cols; ++j) out[r * ldy + j] += bias[n0 + j];
             } else {
-                tile_rows<SWIGLU>(rows, panel, xg, ldx, k, edge, NR, pf, lines, groups);
                 for (int r = 0; r < rows; ++r)
-                    for (int j = 0; j < cols; ++j) y[(m + r) * ldy + n0 + j] = edge[r * NR + j] + (bias ? bias[n0 + j] : 0.0f);
+                    for (int64_t j = 0; j < cols; ++j)
+                        y[(m + r) * ldy + n0 + j] = edge[r * TILE_COLS + j] + (bias ? bias[n0 + j] : 0.0f);
             }
             m += rows;
         }

@@ -28,6 +28,7 @@ def _store(num_blocks, block_size, kv_heads, dim, gen):
             torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen))
 
 
+@pytest.mark.usefixtures("kernel_variant")
 @needs_kernel
 @pytest.mark.parametrize("heads, kv_heads, dim", [(4, 2, 32), (8, 8, 16), (6, 2, 20), (16, 4, 64)])
 @pytest.mark.parametrize("lens", [[1], [16, 17, 3, 40], [64] * 5 + [1, 2]])
@@ -100,6 +101,7 @@ def test_kernel_declines_what_it_does_not_cover(monkeypatch):
     assert paged_attention.decode(q, keys, values, tables, lens) is None
 
 
+@pytest.mark.usefixtures("kernel_variant")
 @needs_kernel
 def test_greedy_decode_with_the_kernel_equals_gather_and_sdpa(monkeypatch):
     """The tiny model over 20 decode steps at batch 3 (contexts crossing blocks): same tokens, close logits."""
