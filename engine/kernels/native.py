@@ -37,16 +37,21 @@ class Variant:
     flags: tuple[str, ...]
     cpu_flags: tuple[str, ...]
     simde: bool = False  # the 16-lane code on AVX2 through SIMDe (tests only: never chosen by "auto")
+    bf16_dot: bool = False  # bf16 GEMMs through AVX512-BF16's vdpbf16ps (else widened to float32 FMAs)
 
 
-# avx512-simde is the avx512 source compiled against SIMDe's portable _mm512 (Debian's
-# libsimde-dev): slower than either native build, it exists so that a CPU without AVX-512 runs
-# the 16-lane code in the equality tests.
+# avx512-simde is the avx512-bf16 source compiled against SIMDe's portable _mm512 (Debian's
+# libsimde-dev): slower than any native build, it exists so that a CPU without AVX-512 runs
+# the 16-lane code (and the bf16 dot product) in the equality tests.
 VARIANTS = {
     "avx2": Variant(8, ("-mavx2", "-mfma"), ("avx2", "fma")),
     "avx512": Variant(16, ("-mavx512f", "-mavx2", "-mfma"), ("avx512f", "avx2", "fma")),
-    "avx512-simde": Variant(16, ("-mavx2", "-mfma", "-Wno-psabi"), ("avx2", "fma"), simde=True),
+    "avx512-bf16": Variant(16, ("-mavx512f", "-mavx512bf16", "-mavx2", "-mfma"),
+                           ("avx512f", "avx512_bf16", "avx2", "fma"), bf16_dot=True),
+    "avx512-simde": Variant(16, ("-mavx2", "-mfma", "-Wno-psabi"), ("avx2", "fma"), simde=True, bf16_dot=True),
 }
+# What "auto" takes: the first whose CPU flags this CPU has.
+AUTO_ORDER = ("avx512-bf16", "avx512", "avx2")
 SIMDE_HEADER = Path("simde/x86/avx512.h")
 SIMDE_INCLUDE_DIRS = (Path("/usr/include"), Path("/usr/local/include"))
 
@@ -54,7 +59,7 @@ SIMDE_INCLUDE_DIRS = (Path("/usr/include"), Path("/usr/local/include"))
 # bench/forward.py --no-native flip the attribute.
 ENABLED = os.environ.get("CHUNKSCOPE_NATIVE_KERNELS", "1") != "0"
 
-# Which variant the kernels load: "auto" (avx512 where the CPU has AVX-512F, else avx2) or a
+# Which variant the kernels load: "auto" (avx512-bf16, avx512 or avx2: AUTO_ORDER) or a
 # name of VARIANTS, forced (CHUNKSCOPE_KERNEL_ISA=avx2 on an AVX-512 machine measures the old
 # kernels; tests and bench/forward.py --isa set the attribute). The C++ torch operators
 # (torch_ops.py) take the variant in force when they are first built, once per process.
@@ -74,8 +79,8 @@ def variant_name(cpu_flags: set[str] | None = None, isa: str | None = None) -> s
     """The variant in force: ``isa`` (default ISA) unless it is "auto", then by the CPU's flags."""
     isa = ISA if isa is None else isa
     if isa == "auto":
-        return "avx512" if set(VARIANTS["avx512"].cpu_flags) <= (_cpu_flags() if cpu_flags is None else cpu_flags) \
-            else "avx2"
+        flags_here = _cpu_flags() if cpu_flags is None else cpu_flags
+        return next((name for name in AUTO_ORDER if set(VARIANTS[name].cpu_flags) <= flags_here), "avx2")
     if isa not in VARIANTS:
         raise ValueError(f"CHUNKSCOPE_KERNEL_ISA must be auto or one of {', '.join(VARIANTS)}, got {isa!r}")
     return isa
@@ -84,7 +89,8 @@ def variant_name(cpu_flags: set[str] | None = None, isa: str | None = None) -> s
 def flags(variant: str) -> list[str]:
     """The compiler flags of ``variant``'s build (the vector width is a define: vec.h)."""
     spec = VARIANTS[variant]
-    defines = [f"-DCHUNKSCOPE_VEC_WIDTH={spec.width}"] + (["-DCHUNKSCOPE_SIMDE"] if spec.simde else [])
+    defines = ([f"-DCHUNKSCOPE_VEC_WIDTH={spec.width}"] + (["-DCHUNKSCOPE_SIMDE"] if spec.simde else [])
+               + (["-DCHUNKSCOPE_BF16_DOT"] if spec.bf16_dot else []))
     return [*BASE_FLAGS, *spec.flags, *defines]
 
 

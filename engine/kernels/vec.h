@@ -16,6 +16,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #ifndef CHUNKSCOPE_VEC_WIDTH
 #define CHUNKSCOPE_VEC_WIDTH 8
@@ -29,6 +30,7 @@
 #define CS_ROUND_DOWN (SIMDE_MM_FROUND_TO_NEG_INF | SIMDE_MM_FROUND_NO_EXC)
 typedef simde__m512 cs_m512;
 typedef simde__m512i cs_m512i;
+typedef simde__m512bh cs_m512bh;
 typedef simde__m256 cs_m256;
 typedef simde__m128 cs_m128;
 #define CS_HINT_T0 SIMDE_MM_HINT_T0
@@ -43,6 +45,9 @@ typedef __m128 cs_m128;
 #if CHUNKSCOPE_VEC_WIDTH == 16
 typedef __m512 cs_m512;
 typedef __m512i cs_m512i;
+#if defined(CHUNKSCOPE_BF16_DOT)
+typedef __m512bh cs_m512bh;
+#endif
 #endif
 #define CS_HINT_T0 _MM_HINT_T0
 #endif
@@ -104,6 +109,15 @@ inline void split_pairs(V a, V b, V& gate, V& up) {
     gate = a;
     up = b;
 }
+// bf16 pairs of 8 columns (see PairW below) widened to float32: bf16 is a float32's high half.
+struct PairW {
+    V even, odd;
+};
+inline PairW load_pairs(const uint16_t* p) {
+    const __m256i words = CS256(loadu_si256)((const __m256i*)p);
+    return {CS256(castsi256_ps)(CS256(slli_epi32)(words, 16)),
+            CS256(castsi256_ps)(CS256(and_si256)(words, CS256(set1_epi32)((int)0xffff0000u)))};
+}
 
 #else  // W == 16
 
@@ -144,7 +158,47 @@ inline void split_pairs(V a, V b, V& gate, V& up) {
     gate = CS512(shuffle_f32x4)(a, b, 0x44);  // [a.0, a.1, b.0, b.1]
     up = CS512(shuffle_f32x4)(a, b, 0xEE);    // [a.2, a.3, b.2, b.3]
 }
+#if defined(CHUNKSCOPE_BF16_DOT)
+// AVX512-BF16 (natively, or SIMDe's): the 16 columns' bf16 pairs as they are, for vdpbf16ps.
+using PairW = cs_m512bh;
+inline PairW load_pairs(const uint16_t* p) {
+    const cs_m512i words = CS512(loadu_si512)((const void*)p);
+    PairW pairs;
+    memcpy(&pairs, &words, sizeof pairs);
+    return pairs;
+}
+// acc + w.even * x.even + w.odd * x.odd per lane, both products exact in float32, in one instruction.
+inline V pair_fma(const PairW& w, uint32_t x, V acc) {
+    const cs_m512i words = CS512(set1_epi32)((int)x);
+    PairW xs;
+    memcpy(&xs, &words, sizeof xs);
+    return CS512(dpbf16_ps)(acc, w, xs);
+}
+#else
+struct PairW {
+    V even, odd;
+};
+inline PairW load_pairs(const uint16_t* p) {
+    const cs_m512i words = CS512(loadu_si512)((const void*)p);
+    return {CS512(castsi512_ps)(CS512(slli_epi32)(words, 16)),
+            CS512(castsi512_ps)(CS512(and_si512)(words, CS512(set1_epi32)((int)0xffff0000u)))};
+}
+#endif
 
+#endif
+
+// bf16 weights packed in pairs along k (skinny_gemm.cpp): each 32-bit lane holds a column's bf16
+// of k = 2i in its low half and of k = 2i + 1 in its high half; x comes as the same pairs, one
+// 32-bit word. Without AVX512-BF16 the pairs are widened (PairW {even, odd}) and each adds two
+// FMAs: the products of two bf16 are exact in float32, as the dot instruction's.
+#if !(CHUNKSCOPE_VEC_WIDTH == 16 && defined(CHUNKSCOPE_BF16_DOT))
+inline V pair_fma(const PairW& w, uint32_t x, V acc) {
+    const uint32_t even_bits = x << 16, odd_bits = x & 0xffff0000u;
+    float even, odd;
+    memcpy(&even, &even_bits, 4);
+    memcpy(&odd, &odd_bits, 4);
+    return fmadd(w.odd, set1(odd), fmadd(w.even, set1(even), acc));
+}
 #endif
 
 // exp(x) (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial in r, 2^n through

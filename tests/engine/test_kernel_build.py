@@ -43,16 +43,20 @@ def test_each_variant_is_a_build_of_its_own():
     assert all(f"skinny_gemm.{variant}-" in path.name for variant, path in paths.items())
     assert "-DCHUNKSCOPE_VEC_WIDTH=16" in native.flags("avx512") and "-mavx512f" in native.flags("avx512")
     assert "-DCHUNKSCOPE_SIMDE" in native.flags("avx512-simde") and "-mavx512f" not in native.flags("avx512-simde")
+    assert "-DCHUNKSCOPE_BF16_DOT" in native.flags("avx512-bf16") and "-mavx512bf16" in native.flags("avx512-bf16")
+    assert "-DCHUNKSCOPE_BF16_DOT" not in native.flags("avx512")
 
 
 def test_the_variant_follows_the_cpu_unless_forced(monkeypatch):
-    xeon, epyc = {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"}, {"avx2", "fma"}
-    assert native.variant_name(xeon, "auto") == "avx512" and native.variant_name(epyc, "auto") == "avx2"
+    xeon, icelake, epyc = {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"}, {"avx2", "fma", "avx512f"}, {"avx2", "fma"}
+    assert native.variant_name(xeon, "auto") == "avx512-bf16" and native.variant_name(icelake, "auto") == "avx512"
+    assert native.variant_name(epyc, "auto") == "avx2"
     assert native.variant_name(xeon, "avx2") == "avx2"  # the forced AVX2 row of an AVX-512 machine
     assert native.variant_name(epyc, "avx512-simde") == "avx512-simde"  # never chosen by auto
     with pytest.raises(ValueError, match="CHUNKSCOPE_KERNEL_ISA"):
         native.variant_name(epyc, "avx1024")
     assert "avx512f" in native.why_unavailable(epyc, "g++", "avx512")
+    assert "avx512_bf16" in native.why_unavailable(icelake, "g++", "avx512-bf16")
     assert native.why_unavailable(xeon, "g++", "avx512") is None
     assert "libsimde-dev" in native.why_unavailable(epyc, "g++", "avx512-simde", simde=False)
     monkeypatch.setattr(native, "ISA", "avx2")

@@ -53,7 +53,7 @@ def test_swiglu_kernel_declines_what_it_does_not_cover():
     packed = swiglu_gemm.pack(gate_up, 16)
     assert swiglu_gemm.swiglu(torch.randn(skinny_gemm.MAX_ROWS + 1, 16), packed, 16) is None
     assert swiglu_gemm.swiglu(torch.randn(4, 16, dtype=torch.bfloat16), packed, 16) is None
-    assert swiglu_gemm.pack(gate_up.bfloat16(), 16) is None and swiglu_gemm.pack(gate_up, 15) is None
+    assert swiglu_gemm.pack(gate_up.double(), 16) is None and swiglu_gemm.pack(gate_up, 15) is None
     torch.set_num_threads(2)
     assert swiglu_gemm.swiglu(torch.randn(4, 16), packed, 16) is None
     torch.set_num_threads(1)
