@@ -79,6 +79,8 @@ class GatedDeltaNet(nn.Module):
         self.fused_out: FusedLinear | None = None
         self.decay_rate: tuple[torch.Tensor, torch.Tensor] | None = None  # (-exp(A_log), dt_bias), fuse()
         self.conv_weight: torch.Tensor | None = None  # [conv_dim, K] view of the conv weight, fuse()
+        # bf16 layers: float32 copies of the conv and norm weights for the native (float32) decode step, fuse()
+        self.native_weights: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def fuse(self) -> None:
         """One GEMM for the four input projections (qkv, z, b, a)."""
@@ -89,6 +91,8 @@ class GatedDeltaNet(nn.Module):
         self.decay_rate = (-self.A_log.detach().float().exp(), self.dt_bias.detach().float())
         # A view (same storage): the per-forward slice + select of the parameter cost two dispatches.
         self.conv_weight = self.conv1d.weight.detach()[:, 0, :]
+        if self.conv_weight.dtype == torch.bfloat16:
+            self.native_weights = (self.conv_weight.float().contiguous(), self.norm.weight.detach().float())
 
     def _project(self, x: torch.Tensor):
         sizes = [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads]
@@ -140,9 +144,8 @@ class GatedDeltaNet(nn.Module):
                     neg_rate, dt_bias, z, self.norm.weight, self.norm.eps, self.num_k_heads, self.head_k_dim,
                     self.head_v_dim)
             else:
-                normed = gdn_step.decode_gated(rows, conv_states, weight, rec_states, group.ssm_slots, a,
-                                               b, neg_rate, dt_bias, z, self.norm.weight,
-                                               self.norm.eps, self.num_k_heads, self.head_k_dim, self.head_v_dim)
+                normed = self._native_decode(rows, z, b, a, conv_states, weight, rec_states, group.ssm_slots,
+                                             neg_rate, dt_bias)
             if normed is None:
                 g_rows, beta_rows = self._gates(a, b, neg_rate, dt_bias)  # [B, Hv] each
                 out = gdn_step.decode(rows, conv_states, weight, rec_states, group.ssm_slots, g_rows, beta_rows,
@@ -155,6 +158,23 @@ class GatedDeltaNet(nn.Module):
 
         core = torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]  # [T, value_dim]
         return self.fused_out(core) if self.fused_out is not None else self.out_proj(core)
+
+    def _native_decode(self, rows, z, b, a, conv_states, weight, rec_states, slots, neg_rate, dt_bias):
+        """The fused native decode step -> [B, value_dim], or None where it does not run.
+
+        It computes in float32 on the float32 pools; a bf16 layer's rows are widened for it and its
+        output rounded back to bf16 once (5 conversions, against ~25 torch ops of the tensor path,
+        which rounds the conv and the norm to bf16 on the way: the native step is the more precise).
+        """
+        if rows.dtype == torch.bfloat16 and self.native_weights is not None:
+            conv_weight, norm_weight = self.native_weights
+            out = gdn_step.decode_gated(rows.float(), conv_states, conv_weight, rec_states, slots, a.float(), b.float(),
+                                        neg_rate, dt_bias, z.float(), norm_weight, self.norm.eps, self.num_k_heads,
+                                        self.head_k_dim, self.head_v_dim)
+            return None if out is None else out.to(rows.dtype)
+        return gdn_step.decode_gated(rows, conv_states, weight, rec_states, slots, a, b, neg_rate, dt_bias, z,
+                                     self.norm.weight, self.norm.eps, self.num_k_heads, self.head_k_dim,
+                                     self.head_v_dim)
 
     @staticmethod
     def _gates(a: torch.Tensor, b: torch.Tensor, neg_rate: torch.Tensor,

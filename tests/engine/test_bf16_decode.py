@@ -1,4 +1,6 @@
-"""The bf16 skinny GEMM and SwiGLU kernels (skinny_gemm.cpp's *_bf16) against float32 and torch's bf16 paths, in every variant.
+"""bf16 decode through the native kernels, in every variant: the skinny GEMM and SwiGLU on bf16 weights
+(skinny_gemm.cpp's *_bf16) against float32 and torch's bf16 paths, and a bf16 GDN layer's decode
+through the float32 GDN step (its states are float32 whatever the weights).
 
 bf16 weights and inputs, float32 sums, the output rounded once to bf16 (round to nearest even).
 Stated tolerances, per element:
@@ -17,11 +19,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import skinny_gemm, swiglu_gemm
+from engine.kernels import gdn_step, skinny_gemm, swiglu_gemm
 from engine.model import layers
+from engine.model.gdn import GatedDeltaNet
+from engine.model.tiny import TINY_CONFIG
 from tests.engine.kernel_marks import needs_kernels
 
-pytestmark = [pytest.mark.usefixtures("one_torch_thread", "kernel_variant"), needs_kernels(skinny_gemm)]
+pytestmark = [pytest.mark.usefixtures("one_torch_thread", "kernel_variant"), needs_kernels(skinny_gemm, gdn_step)]
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, rtol: float, inner: int) -> None:
@@ -94,3 +98,55 @@ def test_a_bf16_fused_linear_and_mlp_route_decode_rows_to_the_kernel(monkeypatch
     # projection's sum of 96 terms, which can cancel: an absolute bound at the output's scale.
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, rtol=2 ** -7, atol=2 ** -6 * want.abs().max().item())
+
+
+def test_a_bf16_gdn_layer_decodes_through_the_float32_native_step(monkeypatch):
+    """bf16 rows widened, the float32 step on the float32 pools, the output rounded once: against the
+    float32 tensor path on the same bf16 weights and rows (states within 1e-5, the output within one
+    bf16 rounding, rtol 2^-8)."""
+    torch.manual_seed(3)
+    layer = GatedDeltaNet(TINY_CONFIG, 0)
+    with torch.no_grad():
+        layer.conv1d.weight.normal_(0, 0.5)
+        layer.A_log.normal_(0, 1)
+        layer.norm.weight.normal_(1, 0.3)
+    layer = layer.bfloat16()
+    layer.fuse()
+    reference = GatedDeltaNet(TINY_CONFIG, 0)
+    reference.load_state_dict({k: v.float() for k, v in layer.state_dict().items()})
+    batch, heads = 3, layer.num_v_heads
+    projected = torch.randn(batch, layer.conv_dim + layer.value_dim + 2 * heads).bfloat16()
+    rows, z, b, a = projected.split([layer.conv_dim, layer.value_dim, heads, heads], dim=-1)
+    conv = torch.randn(5, layer.conv_dim, layer.conv_kernel - 1)
+    rec = torch.randn(5, heads, layer.head_k_dim, layer.head_v_dim) * 0.3
+    slots = torch.tensor([4, 0, 2])
+    neg_rate, dt_bias = layer.decay_rate
+    calls, real = [], gdn_step.decode_gated
+    monkeypatch.setattr(gdn_step, "decode_gated", lambda *args: calls.append(args[0].dtype) or real(*args))
+    conv_native, rec_native = conv.clone(), rec.clone()
+    got = layer._native_decode(rows, z, b, a, conv_native, layer.conv_weight, rec_native, slots, neg_rate, dt_bias)
+    assert calls == [torch.float32] and got is not None and got.dtype == torch.bfloat16
+    with torch.no_grad():
+        g, beta = reference._gates(a, b, neg_rate, dt_bias)
+        out = reference._decode_rows(rows.float(), g, beta, conv, rec, slots, None)
+        want = reference._norm(out, z.float(), torch.float32)
+    torch.testing.assert_close(rec_native, rec, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(conv_native, conv, rtol=0, atol=0)
+    torch.testing.assert_close(got.float(), want, rtol=2 ** -8, atol=1e-5)
+
+
+
+def test_a_bf16_rms_norm_runs_the_float32_kernel_and_rounds_once(monkeypatch):
+    """bf16 decode rows widened for the native norm and rounded back: the torch path computes in float32
+    and rounds once too, so they agree within one bf16 rounding (rtol 2^-8)."""
+    norm = layers.ZeroCenteredRMSNorm(576, 1e-6)
+    with torch.no_grad():
+        norm.weight.normal_(0, 0.2)
+    norm.fuse()
+    x = (torch.randn(8, 576) * 3).bfloat16()
+    calls, real = [], layers.rms_norm.rms_norm
+    monkeypatch.setattr(layers.rms_norm, "rms_norm", lambda t, *args: calls.append(t.dtype) or real(t, *args))
+    got = norm(x)
+    assert calls == [torch.float32] and got.dtype == torch.bfloat16
+    want = (layers._rms_normalize(x, 1e-6) * norm.scale).to(torch.bfloat16)  # the torch path, float32 inside
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -8, atol=1e-6)
