@@ -32,7 +32,9 @@ typedef simde__m512 cs_m512;
 typedef simde__m512i cs_m512i;
 typedef simde__m512bh cs_m512bh;
 typedef simde__m256 cs_m256;
+typedef simde__m256i cs_m256i;
 typedef simde__m128 cs_m128;
+typedef simde__m128i cs_m128i;
 #define CS_HINT_T0 SIMDE_MM_HINT_T0
 #else
 #include <immintrin.h>
@@ -41,7 +43,9 @@ typedef simde__m128 cs_m128;
 #define CS128(op) _mm_##op
 #define CS_ROUND_DOWN (_MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)
 typedef __m256 cs_m256;
+typedef __m256i cs_m256i;
 typedef __m128 cs_m128;
+typedef __m128i cs_m128i;
 #if CHUNKSCOPE_VEC_WIDTH == 16
 typedef __m512 cs_m512;
 typedef __m512i cs_m512i;
@@ -100,7 +104,7 @@ inline void hsum8_scaled(const V* a, float scale, float* out) {
 // 2^n for integral n in [-127, 128] (n + 127 + 2^23 is exact and holds n + 127 in its low
 // mantissa bits; shifted to the exponent field they are 2^n, 0 for n = -127, inf for 128).
 inline V pow2n(V n) {
-    const __m256i bits = CS256(castps_si256)(CS256(add_ps)(n, set1(8388735.0f)));
+    const cs_m256i bits = CS256(castps_si256)(CS256(add_ps)(n, set1(8388735.0f)));
     return CS256(castsi256_ps)(CS256(slli_epi32)(bits, 23));
 }
 // SwiGLU panels (skinny_gemm.cpp) hold 8 gate columns then their 8 up columns: with 8 lanes a
@@ -109,12 +113,17 @@ inline void split_pairs(V a, V b, V& gate, V& up) {
     gate = a;
     up = b;
 }
-// bf16 pairs of 8 columns (see PairW below) widened to float32: bf16 is a float32's high half.
+// 8 consecutive bf16 widened to float32 (bf16 is a float32's high half).
+inline V load_bf16(const uint16_t* p) {
+    const cs_m256i words = CS256(cvtepu16_epi32)(CS128(loadu_si128)((const cs_m128i*)p));
+    return CS256(castsi256_ps)(CS256(slli_epi32)(words, 16));
+}
+// bf16 pairs of 8 columns (see PairW below) widened to float32.
 struct PairW {
     V even, odd;
 };
 inline PairW load_pairs(const uint16_t* p) {
-    const __m256i words = CS256(loadu_si256)((const __m256i*)p);
+    const cs_m256i words = CS256(loadu_si256)((const cs_m256i*)p);
     return {CS256(castsi256_ps)(CS256(slli_epi32)(words, 16)),
             CS256(castsi256_ps)(CS256(and_si256)(words, CS256(set1_epi32)((int)0xffff0000u)))};
 }
@@ -151,6 +160,13 @@ inline void hsum8_scaled(const V* a, float scale, float* out) {
 inline V pow2n(V n) {
     const cs_m512i bits = CS512(castps_si512)(CS512(add_ps)(n, set1(8388735.0f)));
     return CS512(castsi512_ps)(CS512(slli_epi32)(bits, 23));
+}
+// 16 consecutive bf16 widened to float32, as two 8-lane halves (SIMDe 0.7.4 has no _mm512_cvtepu16_epi32).
+inline V load_bf16(const uint16_t* p) {
+    const cs_m256i low = CS256(cvtepu16_epi32)(CS128(loadu_si128)((const cs_m128i*)p));
+    const cs_m256i high = CS256(cvtepu16_epi32)(CS128(loadu_si128)((const cs_m128i*)(p + 8)));
+    const cs_m512i words = CS512(inserti64x4)(CS512(castsi256_si512)(low), high, 1);
+    return CS512(castsi512_ps)(CS512(slli_epi32)(words, 16));
 }
 // 16 lanes span two SwiGLU panels, a = [gate 8 | up 8] of one and b of the next: the gate halves
 // (128-bit lanes 0, 1 of each) and the up halves (lanes 2, 3) gathered, in column order.
