@@ -22,7 +22,7 @@ from engine.model.cpu_features import cpu_model
 from engine.model.loader import load_model
 from engine.model.runner import ModelRunner
 from engine.model.tiny import cache_root
-from engine.sequence import SequenceState
+from engine.cache.sequence import SequenceState
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ from torch.profiler import profile
 from engine.model.cpu_features import cpu_model
 from engine.model.loader import load_model
 from engine.model.runner import ModelRunner
-from engine.sequence import SequenceState
+from engine.cache.sequence import SequenceState
 
 
 def top_level_ops(fn) -> list[str]:

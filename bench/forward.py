@@ -66,7 +66,7 @@ from engine.model.qwen3_5 import Qwen35ForCausalLM  # noqa: E402
 from engine.model.roofline import ForwardCost, MachineRates, RateProbe, forward_cost  # noqa: E402
 from engine.model.runner import ModelRunner  # noqa: E402
 from engine.model.tiny import cache_root, random_init  # noqa: E402
-from engine.sequence import SequenceState  # noqa: E402
+from engine.cache.sequence import SequenceState  # noqa: E402
 
 from bench.forward_report import result_row, row_text  # noqa: E402
 

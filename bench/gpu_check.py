@@ -46,7 +46,7 @@ from engine.model.loader import load_model  # noqa: E402
 from engine.model.qwen3_5 import Qwen35ForCausalLM  # noqa: E402
 from engine.model.runner import ModelRunner  # noqa: E402
 from engine.model.tiny import perturb_parameters, random_init  # noqa: E402
-from engine.sequence import SequenceState  # noqa: E402
+from engine.cache.sequence import SequenceState  # noqa: E402
 from telemetry import events as ev  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

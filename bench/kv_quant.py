@@ -43,7 +43,7 @@ from engine.model.config import ModelConfig  # noqa: E402
 from engine.model.qwen3_5 import Qwen35ForCausalLM  # noqa: E402
 from engine.model.runner import ModelRunner  # noqa: E402
 from engine.model.tiny import perturb_parameters, random_init  # noqa: E402
-from engine.sequence import SequenceState  # noqa: E402
+from engine.cache.sequence import SequenceState  # noqa: E402
 from engine.model.cpu_features import cpu_model  # noqa: E402
 
 PARITY_BASE = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4,

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench.kv_quant import cpu_model  # noqa: E402
-from engine.engine_setup import build_engine  # noqa: E402
+from engine.serve.engine_setup import build_engine  # noqa: E402
 from engine.workload.synthetic import SyntheticWorkload  # noqa: E402
 from telemetry import events as ev  # noqa: E402
 from telemetry.levers import defaults  # noqa: E402

@@ -48,7 +48,7 @@ def child(calls: int, model_name: str) -> dict:
 
     from engine.model import layers
     from engine.model.runner import ModelRunner
-    from engine.sequence import SequenceState
+    from engine.cache.sequence import SequenceState
     sys.path.insert(0, os.path.dirname(__file__))
     from forward import build
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import context, data, fragment_timing, request_links, status_banner
-from dashboard.db import DataUnavailable
+from dashboard import context, fragment_timing, request_links
+from dashboard.queries import data
+from dashboard.panels import status_banner
+from dashboard.queries.db import DataUnavailable
 
 st.set_page_config(page_title="Chunkscope", page_icon=":material/biotech:", layout="wide")
 PAGES = [

@@ -12,8 +12,8 @@ from typing import Callable
 
 import streamlit as st
 
-from dashboard import data
-from dashboard.db import DataUnavailable
+from dashboard.queries import data
+from dashboard.queries.db import DataUnavailable
 from dashboard.paths import RunPaths, current_paths
 
 LATEST = "latest"

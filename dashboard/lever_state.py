@@ -13,7 +13,7 @@ from typing import Any
 
 import pandas as pd
 
-from dashboard.db import query_df
+from dashboard.queries.db import query_df
 from telemetry.levers import LEVERS_BY_NAME, LeversError, defaults, read_levers_file, write_levers_file
 from telemetry.schema import json_value
 

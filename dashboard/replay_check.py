@@ -1,7 +1,7 @@
 """The divergence check: ``python -m engine replay BUNDLE --json [--flip NAME=VALUE]`` as a subprocess.
 
 The dashboard never imports the engine; it runs the replay CLI with this
-interpreter and reads its ``--json`` contract (``engine/replay_compare.py``):
+interpreter and reads its ``--json`` contract (``engine/replay/compare.py``):
 ``decisions_identical``, ``tokens_identical``, ``first_divergence`` and one
 row per request. ``headline`` and ``request_table`` turn that into what the
 Runs page shows; they are pure, so they are tested on plain dicts.

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine import generate, replay, serve
+from engine.cli import generate, replay, serve
 from telemetry.cli_errors import report_unexpected
 
 COMMANDS = [generate, serve, replay]

@@ -1,7 +1,8 @@
 """Argument types for the command lines: a bad number is an argparse error (one line, exit 2),
 never a traceback from deep inside (an OverflowError from SQLite, a MemoryError from a huge cache).
 
-Plain Python so both ``python -m telemetry`` and ``python -m engine`` use them.
+Plain Python so both ``python -m telemetry`` and ``python -m engine`` use them; the engine's named
+types (seed, positive counts) live with its commands, in ``engine/cli/args.py``.
 """
 from __future__ import annotations
 
@@ -43,9 +44,4 @@ def bounded_float(low: float, high: float = math.inf, *, low_open: bool = False)
 
 
 run_id = bounded_int(1)                      # SQLite rowids start at 1
-seed = bounded_int(0, 2**63 - 1)
-non_negative_int = bounded_int(0)
-positive_int = bounded_int(1)
-positive_float = bounded_float(0.0, low_open=True)
 non_negative_float = bounded_float(0.0)
-finite_float = bounded_float(-math.inf)     # range checks left to the callee, which names its field

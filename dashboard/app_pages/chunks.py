@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import charts, context, data, request_links, tables
+from dashboard import context, request_links
+from dashboard.figures import charts
+from dashboard.queries import data
+from dashboard.panels import tables
 from dashboard.context import RunContext
-from dashboard.queries_chunks import BLOCKERS, CAP_RULES, NEWEST_SCOPE, PATHS, ChunkFilter
-from dashboard.queries_requests import BadSearch, parse_request_id
+from dashboard.queries.chunks import BLOCKERS, CAP_RULES, NEWEST_SCOPE, PATHS, ChunkFilter
+from dashboard.queries.requests import BadSearch, parse_request_id
 
 TABLE_LIMIT = 500
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import context, data, lever_state, tables
+from dashboard import context, lever_state
+from dashboard.queries import data
+from dashboard.panels import tables
 from dashboard.context import RunContext
 from telemetry.levers import LEVERS, LEVERS_BY_NAME, Lever, LeversError
 

@@ -10,12 +10,20 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import (api_panel, charts, context, data, engine_panel, fragment_timing, heartbeat_view, kv_gauges,
-                       live_timeline, prefix_panel, request_links, spec_panel, tables)
+from dashboard import context, fragment_timing, heartbeat_view, request_links
+from dashboard.panels import api as api_panel
+from dashboard.figures import charts
+from dashboard.queries import data
+from dashboard.panels import engine_process as engine_panel
+from dashboard.panels import kv_gauges
+from dashboard.panels import live_timeline
+from dashboard.panels import prefix as prefix_panel
+from dashboard.panels import spec as spec_panel
+from dashboard.panels import tables
 from dashboard.context import RunContext
-from dashboard.db import DataUnavailable
-from dashboard.metric_row import Metric, metric_row
-from dashboard.queries_live import MAX_STREAM_EVENTS
+from dashboard.queries.db import DataUnavailable
+from dashboard.panels.metric_row import Metric, metric_row
+from dashboard.queries.live import MAX_STREAM_EVENTS
 from telemetry.engine_status import read_engine_status
 from telemetry.procs import is_engine_pid
 

@@ -3,10 +3,14 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import charts, context, data, grammar_panel, request_links, tables
+from dashboard import context, request_links
+from dashboard.figures import charts
+from dashboard.queries import data
+from dashboard.panels import grammar as grammar_panel
+from dashboard.panels import tables
 from dashboard.context import RunContext
 from dashboard.lifecycle import request_phases
-from dashboard.queries_requests import MAX_LISTED, BadSearch, parse_search
+from dashboard.queries.requests import MAX_LISTED, BadSearch, parse_search
 from telemetry import events as ev
 
 STATUSES = ev.REQUEST_STATUSES

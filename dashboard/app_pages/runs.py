@@ -4,7 +4,12 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dashboard import bundle_panel, charts, context, data, queries_runs, tables
+from dashboard import context
+from dashboard.panels import bundle as bundle_panel
+from dashboard.figures import charts
+from dashboard.queries import data
+from dashboard.queries import runs as queries_runs
+from dashboard.panels import tables
 from dashboard.context import RunContext
 
 st.title("Runs")

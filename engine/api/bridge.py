@@ -20,7 +20,7 @@ from typing import Any
 
 from engine.api.channel import Channel
 from engine.api.wire import Batch, Cancel, MetricsQuery, Submit
-from engine.request_features import CLIENT_DISCONNECTED
+from engine.scheduler.request_features import CLIENT_DISCONNECTED
 from telemetry import events as ev
 
 log = logging.getLogger("chunkscope.api")

@@ -10,7 +10,7 @@ import asyncio
 from typing import Any
 
 from engine.api.wire import Batch, Cancel, Ended, MetricsQuery, Submit, Tokens, frame
-from engine.request_features import RequestFeatures
+from engine.scheduler.request_features import RequestFeatures
 from telemetry import events as ev
 
 ENGINE_GONE = "the engine process is gone"

@@ -16,7 +16,7 @@ from engine.api.chat_template import ChatTemplate, ChatTemplateError
 from engine.api import structured
 from engine.api.errors import APIError, bad_request
 from engine.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, stop_list
-from engine.request_features import SOURCE_API, RequestFeatures
+from engine.scheduler.request_features import SOURCE_API, RequestFeatures
 
 MAX_BODY_BYTES = 1 << 20
 

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError  # noqa: F401 (re-exported)
 
-from engine.request_features import MAX_LOGPROBS, MAX_STOP_STRINGS
+from engine.scheduler.request_features import MAX_LOGPROBS, MAX_STOP_STRINGS
 
 
 class Body(BaseModel):

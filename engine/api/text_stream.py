@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from engine.request_features import find_stop_string
+from engine.scheduler.request_features import find_stop_string
 
 REPLACEMENT = "\ufffd"   # what a decoder gives for an incomplete UTF-8 sequence
 

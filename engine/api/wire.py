@@ -13,7 +13,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.request_features import RequestFeatures
+from engine.scheduler.request_features import RequestFeatures
 
 HEADER = struct.Struct("<I")          # the pickle's length in bytes
 MAX_MESSAGE_BYTES = 256 << 20         # far above any real batch: a larger length is a broken peer

@@ -12,7 +12,7 @@ from engine.cache.kv_budget import ByteBudgetBlockManager
 from engine.cache.kv_calibration import STATE_APPLIED, KeyCalibration
 from engine.cache.kv_quant import InnerQConfig, blocks_to_quantize, fp_block_bytes, quant_block_bytes
 from engine.cache.kv_quant_store import QuantKVStore
-from engine.sequence import SequenceState
+from engine.cache.sequence import SequenceState
 
 
 class InnerQCache:

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from typing import Callable
 
-from engine.sequence import SequenceState
+from engine.cache.sequence import SequenceState
 
 
 class KVCacheExhausted(RuntimeError):

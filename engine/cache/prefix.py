@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from engine.cache.kv import BlockManager
-from engine.sequence import SequenceState
+from engine.cache.sequence import SequenceState
 
 ROOT_HASH = 0
 

@@ -21,7 +21,7 @@ def _worker_args(args: argparse.Namespace, device: torch.device, dtype: torch.dt
 
 def start(args: argparse.Namespace, setup, from_torchrun: bool, run_dir: Path) -> launch.EPRun:
     """Rank 0 of a serving run: spawn (unless torchrun did) and join the ranks; the scheduler sees ``is_ep``."""
-    from engine.engine_setup import checkpoint_hash
+    from engine.serve.engine_setup import checkpoint_hash
 
     runner = setup.runner
     spec = _worker_args(args, runner.device, runner.dtype, runner.kv_block_size)
@@ -39,7 +39,7 @@ def start(args: argparse.Namespace, setup, from_torchrun: bool, run_dir: Path) -
 
 def run_torchrun_rank(args: argparse.Namespace, rank: int) -> int:
     """A rank > 0 started by torchrun with the serve command line: load its experts, run forwards."""
-    from engine.engine_setup import BLOCK_SIZE, checkpoint_hash
+    from engine.serve.engine_setup import BLOCK_SIZE, checkpoint_hash
     from engine.model.embedded import checkpoint_dir_of
     from engine.model.loader import load_model
 

@@ -80,7 +80,7 @@ def start_settings(size: int, kv_blocks: int, ssm_slots: int, block_size: int, d
 def main(argv: list[str] | None = None) -> int:
     import os
 
-    from engine.engine_setup import checkpoint_hash
+    from engine.serve.engine_setup import checkpoint_hash
     from engine.model.embedded import checkpoint_dir_of
     from engine.model.loader import load_model
 

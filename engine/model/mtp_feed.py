@@ -18,7 +18,7 @@ import torch
 from engine.cache.kv_store import KVStore
 from engine.model.batch import ForwardBatch, build_batch
 from engine.model.mtp import mtp_forward
-from engine.sequence import SequenceState
+from engine.cache.sequence import SequenceState
 
 
 def keep_up(model, kv: KVStore, block_size: int, batch: ForwardBatch, hidden: torch.Tensor,

@@ -20,7 +20,7 @@ from engine.cache.kv_store import KVStore
 from engine.model.batch import build_batch
 from engine.model.mtp import MTPModule
 from engine.model.runner import ModelRunner
-from engine.sequence import SequenceState
+from engine.cache.sequence import SequenceState
 
 
 @dataclass(frozen=True)

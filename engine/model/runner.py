@@ -16,7 +16,7 @@ from engine.model import mtp_feed
 from engine.model.gdn import SSMCapture
 from engine.model.qwen3_5 import Qwen35ForCausalLM
 from engine.model.roofline import ForwardCost, forward_cost
-from engine.sequence import SequenceState
+from engine.cache.sequence import SequenceState
 
 
 class ModelRunner:

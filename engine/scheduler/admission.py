@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.grammar.spec import GrammarSpec
-from engine.request_features import RequestFeatures
+from engine.scheduler.request_features import RequestFeatures
 from engine.scheduler.request import Request
 from engine.scheduler.sampling import SamplingParams
 from telemetry import events as ev

@@ -12,7 +12,7 @@ from engine.scheduler.preempt import VictimCandidate, choose_victim as pick_vict
 from engine.scheduler.request import Request
 from engine.scheduler.sampling import effective_min_p, sample_next
 from engine.spec import spec_step
-from engine.streams import EVENT_SECONDARY_DONE, STREAM_DEFAULT
+from engine.scheduler.streams import EVENT_SECONDARY_DONE, STREAM_DEFAULT
 from telemetry import events as ev
 
 if TYPE_CHECKING:

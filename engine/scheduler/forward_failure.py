@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from engine.model.errors import RankFailure
 from engine.scheduler.request import Request
-from engine.streams import EVENT_PREFILL_DONE, STREAM_DEFAULT, STREAM_PREFILL
+from engine.scheduler.streams import EVENT_PREFILL_DONE, STREAM_DEFAULT, STREAM_PREFILL
 from telemetry import events as ev
 
 if TYPE_CHECKING:

@@ -15,15 +15,15 @@ from engine.cache.ssm_pool import SSMPoolExhausted
 from engine.model.roofline import MachineRates
 from engine.model.runner import ModelRunner
 from engine.grammar.masks import MaskStats
-from engine.request_features import RequestFeatures
+from engine.scheduler.request_features import RequestFeatures
 from engine.scheduler import decode_step, grammar_step, prefill_step, prefix_step
 from engine.scheduler.adaptive import StructureTokens, region_of
 from engine.scheduler.admission import (RequestRejected, check_prompt, mark_rejected, parse_sampling,
                                         recorded_spec, rejected_request)
-from engine.scheduler.mixing import SPEC_MTP
+from engine.spec.kinds import SPEC_MTP
 from engine.scheduler.request import Request
 from engine.spec.spec_support import speculation_rejection
-from engine.streams import EVENT_PREFILL_DONE, STREAM_DEFAULT, STREAM_PREFILL, StreamSet
+from engine.scheduler.streams import EVENT_PREFILL_DONE, STREAM_DEFAULT, STREAM_PREFILL, StreamSet
 from telemetry import events as ev
 from telemetry.levers import LeverValues
 

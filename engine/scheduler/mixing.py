@@ -14,21 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from engine.spec.kinds import is_speculative
 from telemetry.events import BLOCK_BISECT, BLOCK_EXPERT_PARALLEL, BLOCK_NO_DECODES, BLOCK_SPECULATION
-
-SPEC_OFF = "off"
-SPEC_MTP = "mtp"          # multi-token-prediction head drafts
-SPEC_SELF = "self"        # self-speculative (layer-skip) drafts
-SPEC_NGRAM = "ngram"      # prompt-lookup n-gram drafts
-SPECULATION_KINDS = (SPEC_OFF, SPEC_MTP, SPEC_SELF, SPEC_NGRAM)
-
-
-def is_speculative(speculation: str) -> bool:
-    """True for any speculation kind but "off"; an unknown kind is a ValueError naming the lever."""
-    if speculation not in SPECULATION_KINDS:
-        raise ValueError(f"speculation must be one of {SPECULATION_KINDS}, got {speculation!r}")
-    return speculation != SPEC_OFF
-
 
 def mixing_blocked_by_spec(num_active: int, any_spec: bool) -> bool:
     """Does speculation stop mixing at this decode width?

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from engine.scheduler import grammar_step
-from engine.request_features import find_stop_string, stop_string_window
+from engine.scheduler.request_features import find_stop_string, stop_string_window
 from engine.scheduler.adaptive import advance
 from engine.scheduler.request import Request
 from telemetry import events as ev

@@ -21,7 +21,7 @@ from engine.scheduler.first_token import FirstTokenPolicy, sample_first_token
 from engine.scheduler.mixing import can_mix, plan_draft_drop
 from engine.scheduler.request import Request
 from engine.scheduler.sampling import effective_min_p
-from engine.streams import EVENT_DEFAULT_DONE, EVENT_PREFILL_DONE, STREAM_DEFAULT, STREAM_PREFILL, STREAM_SECONDARY
+from engine.scheduler.streams import EVENT_DEFAULT_DONE, EVENT_PREFILL_DONE, STREAM_DEFAULT, STREAM_PREFILL, STREAM_SECONDARY
 from telemetry import events as ev
 
 if TYPE_CHECKING:

@@ -5,10 +5,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.request_features import RequestFeatures
+from engine.scheduler.request_features import RequestFeatures
 from engine.scheduler.adaptive import Region
 from engine.scheduler.sampling import SamplingParams
-from engine.sequence import SequenceState
+from engine.cache.sequence import SequenceState
 from telemetry import events as ev
 
 

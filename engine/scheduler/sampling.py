@@ -18,8 +18,8 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from engine.json_fields import strict_kwargs
-from engine.scheduler.mixing import SPEC_MTP, is_speculative
+from engine.scheduler.json_fields import strict_kwargs
+from engine.spec.kinds import SPEC_MTP, is_speculative
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from engine.cache.kv import KVCacheExhausted
 from engine.model.runner import ModelRunner
-from engine.scheduler.mixing import SPEC_MTP, SPEC_NGRAM, SPEC_SELF
+from engine.spec.kinds import SPEC_MTP, SPEC_NGRAM, SPEC_SELF
 from engine.spec.ngram import propose_drafts
 
 MAX_NGRAM, MIN_NGRAM = 3, 1

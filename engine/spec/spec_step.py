@@ -38,12 +38,12 @@ import torch
 
 from engine.scheduler import grammar_step, logprobs, outputs
 from engine.scheduler.adaptive import advance, params_for_row
-from engine.scheduler.mixing import SPEC_MTP, is_speculative
+from engine.spec.kinds import SPEC_MTP, is_speculative
 from engine.scheduler.request import Request
 from engine.scheduler.sampling import effective_min_p, sample_next
 from engine.spec import drafts as drafts_source
 from engine.spec import verify
-from engine.streams import EVENT_SECONDARY_DONE, STREAM_DEFAULT, STREAM_SECONDARY
+from engine.scheduler.streams import EVENT_SECONDARY_DONE, STREAM_DEFAULT, STREAM_SECONDARY
 from telemetry import events as ev
 
 if TYPE_CHECKING:

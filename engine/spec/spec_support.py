@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.scheduler.mixing import SPEC_MTP, SPEC_SELF, is_speculative
+from engine.spec.kinds import SPEC_MTP, SPEC_SELF, is_speculative
 
 
 def speculation_rejection(speculation: str, model: Any) -> str | None:

@@ -20,7 +20,7 @@ from engine.cache.ssm_pool import SSMSnapshot
 from engine.model.batch import build_batch
 from engine.model.gdn import SSMRowStates
 from engine.model.runner import ModelRunner
-from engine.sequence import SequenceState
+from engine.cache.sequence import SequenceState
 
 
 @dataclass

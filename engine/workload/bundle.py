@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
-from engine.request_features import RequestFeatures
+from engine.scheduler.request_features import RequestFeatures
 from engine.workload.request import SAMPLING_KEYS, RequestSpec, WorkloadError, length_summary
 
 REQUIRED_FIELDS = ("request_id", "arrival_s", "prompt_tokens", "sampling")

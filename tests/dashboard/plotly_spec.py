@@ -34,7 +34,7 @@ def spec(json_text: str) -> dict:
 def charts(at) -> list[dict]:
     """Every figure an AppTest page drew, decoded: st.plotly_chart specs and the Live timeline's."""
     specs = [c.proto.spec for c in at.get("plotly_chart")]
-    # the Live timeline is drawn by its own keyed frame (dashboard/live_timeline.py), spec in its args
+    # the Live timeline is drawn by its own keyed frame (dashboard/panels/live_timeline.py), spec in its args
     specs += [json.loads(c.proto.json_args)["spec"] for c in at.get("component_instance")]
     return [spec(s) for s in specs]
 

@@ -39,7 +39,7 @@ def _skip_reason() -> str | None:
     if importlib.util.find_spec("playwright") is None:
         return "the playwright Python package is not installed"
     if importlib.util.find_spec("engine.serve") is None:
-        return "the engine (engine/serve.py) is not importable"
+        return "the engine (engine/serve/process.py) is not importable"
     return None
 
 

@@ -3,8 +3,8 @@ import pandas as pd
 import pytest
 from plotly_spec import spec as decode_spec
 
-from dashboard import charts
-from dashboard.timeline_chart import LANE_Y, TIMELINE_UIREVISION, WEBGL_THRESHOLD, timeline_figure
+from dashboard.figures import charts
+from dashboard.figures.timeline import LANE_Y, TIMELINE_UIREVISION, WEBGL_THRESHOLD, timeline_figure
 
 
 def _spec(fig):
@@ -187,8 +187,8 @@ def test_the_live_pages_unvalidated_timeline_json_is_the_validated_figure(real_r
     """The Live page serializes the timeline dict without graph-object validation (that took most of a
     refresh); on a real run's window, plus rank lanes and a stated cap, the browser gets exactly what the
     validated ``go.Figure`` would send."""
-    from dashboard.queries_live import timeline_window
-    from dashboard.timeline_chart import timeline_json
+    from dashboard.queries.live import timeline_window
+    from dashboard.figures.timeline import timeline_json
 
     win = timeline_window(real_run_dir.db, int(real_run_dir.one("SELECT MAX(run_id) FROM runs")), 3600.0)
     assert len(win.forwards) and len(win.lever_changes)          # real bars, roofline and lever lines

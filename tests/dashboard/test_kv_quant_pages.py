@@ -12,7 +12,7 @@ import sys
 import pytest
 from plotly_spec import chart_with, texts
 
-from dashboard.timeline_chart import TIMELINE_UIREVISION
+from dashboard.figures.timeline import TIMELINE_UIREVISION
 from real_run import ROOT
 
 ARGS = ["--workload", "synthetic", "--requests", "10", "--rate", "40", "--kv-cache-dtype", "innerq4",

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pandas as pd
 from plotly_spec import spec as decode_spec
 
-from dashboard import charts, queries_live
+from dashboard.figures import charts
+from dashboard.queries import live as queries_live
 
 
 def test_latency_scope_of_a_run_smaller_than_the_cap_names_its_size(run_fixture):

@@ -5,7 +5,8 @@ from __future__ import annotations
 def test_the_live_timeline_is_built_once_per_version(real_run_dir, monkeypatch):
     """A refresh with nothing new (blocked or idle engine, finished run) reuses the built figure: the Live
     page then costs a lookup a second, so the stall banner's fragment is not kept waiting behind it."""
-    from dashboard import charts, data
+    from dashboard.figures import charts
+    from dashboard.queries import data
 
     built = []
     original = charts.timeline_json

@@ -7,7 +7,7 @@ import json
 
 from plotly_spec import chart_with, charts, texts
 
-from dashboard.timeline_chart import TIMELINE_UIREVISION
+from dashboard.figures.timeline import TIMELINE_UIREVISION
 
 
 def test_live_counters_timeline_and_latency(app, run_fixture):

@@ -2,9 +2,9 @@
 import pandas as pd
 import pytest
 
-from dashboard import queries_live
+from dashboard.queries import live as queries_live
 from dashboard.lifecycle import request_phases
-from dashboard.queries_requests import BadSearch, parse_search
+from dashboard.queries.requests import BadSearch, parse_search
 
 
 def test_timeline_buckets_in_sql_past_the_raw_limit(run_fixture, monkeypatch):
@@ -88,7 +88,7 @@ def test_parse_search_rejects(text):
 
 
 def test_prefix_hit_buckets_and_miss_reasons(run_fixture):
-    from dashboard import queries_prefix
+    from dashboard.queries import prefix as queries_prefix
 
     admitted = [r for r in run_fixture.final_requests().values() if r.admitted_ns is not None]
     buckets = queries_prefix.hit_ratio_over_time(run_fixture.db, run_fixture.run1, num_buckets=7)
@@ -110,7 +110,7 @@ def test_prefix_hit_buckets_and_miss_reasons(run_fixture):
 
 
 def test_prefix_recent_scope_covers_the_newest_requests(run_fixture):
-    from dashboard import queries_prefix
+    from dashboard.queries import prefix as queries_prefix
 
     final = run_fixture.final_requests()
     assert queries_prefix.recent_scope(run_fixture.db, run_fixture.run1) == queries_prefix.WHOLE_RUN  # 30 < 2,000

@@ -12,8 +12,11 @@ import dataclasses
 import pytest
 
 import synthetic_run
-from dashboard import db as dashboard_db
-from dashboard import queries_chunks, queries_live, queries_prefix, queries_runs
+from dashboard.queries import db as dashboard_db
+from dashboard.queries import chunks as queries_chunks
+from dashboard.queries import live as queries_live
+from dashboard.queries import prefix as queries_prefix
+from dashboard.queries import runs as queries_runs
 from telemetry import run_totals
 
 SMALL = dataclasses.replace(synthetic_run.SimConfig(), num_requests=300, seed=3)

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from dashboard import queries_spec, spec_charts
+from dashboard.queries import spec as queries_spec
+from dashboard.figures import spec as spec_charts
 from dashboard.paths import DB_NAME
 from engine.model.loader import load_model
 from engine.model.runner import ModelRunner
@@ -24,7 +25,7 @@ from telemetry import events as ev
 from telemetry.levers import defaults
 from telemetry.writer import TelemetryWriter
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine" / "spec"))
 from test_spec_identity import serving_arrivals  # noqa: E402
 
 KINDS = ("mtp", "self", "ngram")

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from dashboard.status_banner import banner_for
+from dashboard.panels.status_banner import banner_for
 from telemetry.procs import is_engine_pid as is_pid_alive
 
 PAGES = [None, "chunks", "requests", "levers", "runs"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from dashboard import tables
+from dashboard.panels import tables
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "dashboard"
 PAGES = ["live", "chunks", "requests", "levers", "runs"]

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from dashboard.paths import ENV_RUN_DIR
-from dashboard.queries_requests import MAX_REQUEST_ID, BadSearch, parse_request_id, parse_search
+from dashboard.queries.requests import MAX_REQUEST_ID, BadSearch, parse_request_id, parse_search
 
 APP = str(Path(__file__).resolve().parents[2] / "dashboard" / "app.py")
 BAD_SEARCHES = ["99999999999999999999999", "1-99999999999999999999999", "²", "1-²", "3, ²", str(2**63)]

@@ -21,19 +21,19 @@ SQL_WORDS = re.compile(r"\b(SELECT|INSERT|UPDATE|DELETE|CREATE|DROP|PRAGMA|WHERE
 # A new f-string in SQL fails the scan until it is reviewed and listed here. Safe by construction,
 # and so not listed: int(...), placeholders(...) ('?' marks only), module-level string literals.
 VETTED = {
-    ("dashboard/db.py", "values_cte"): "percentile_sql() wraps a constant SELECT from the query modules",
-    ("dashboard/queries_chunks.py", "where"): "ChunkFilter.where(): constant clauses, values bound as ?",
-    ("dashboard/queries_chunks.py", "cols"): "join of the module's constant column tuple",
-    ("dashboard/queries_live.py", "'+' if is_recent else ''"): "an index hint, '+' or ''",
-    ("dashboard/queries_live.py", "itl_filter"): "constant 'AND id > ?' or 'AND request_id IN (SAMPLED_IDS)', "
+    ("dashboard/queries/db.py", "values_cte"): "percentile_sql() wraps a constant SELECT from the query modules",
+    ("dashboard/queries/chunks.py", "where"): "ChunkFilter.where(): constant clauses, values bound as ?",
+    ("dashboard/queries/chunks.py", "cols"): "join of the module's constant column tuple",
+    ("dashboard/queries/live.py", "'+' if is_recent else ''"): "an index hint, '+' or ''",
+    ("dashboard/queries/live.py", "itl_filter"): "constant 'AND id > ?' or 'AND request_id IN (SAMPLED_IDS)', "
                                                  "values bound",
-    ("dashboard/queries_live.py", "request_filter"): "constant 'AND request_id > ?' or 'AND request_id IN "
+    ("dashboard/queries/live.py", "request_filter"): "constant 'AND request_id > ?' or 'AND request_id IN "
                                                      "(SAMPLED_IDS)', values bound",
-    ("dashboard/queries_requests.py", "cols"): "join of REQUEST_COLUMNS (constant)",
-    ("dashboard/queries_requests.py", "' AND '.join(clauses)"): "constant clauses, values bound as ?",
-    ("dashboard/queries_runs.py", "', '.join(RUN_COLUMNS)"): "constant column tuple",
-    ("dashboard/queries_runs.py", "table"): "_run_rows() is called with literal table names",
-    ("dashboard/queries_runs.py", "where"): "_run_rows(): constant clause, values bound as ?",
+    ("dashboard/queries/requests.py", "cols"): "join of REQUEST_COLUMNS (constant)",
+    ("dashboard/queries/requests.py", "' AND '.join(clauses)"): "constant clauses, values bound as ?",
+    ("dashboard/queries/runs.py", "', '.join(RUN_COLUMNS)"): "constant column tuple",
+    ("dashboard/queries/runs.py", "table"): "_run_rows() is called with literal table names",
+    ("dashboard/queries/runs.py", "where"): "_run_rows(): constant clause, values bound as ?",
     ("telemetry/bundle_export.py", "', '.join(_RUN_TEXT_COLUMNS)"): "constant column tuple",
     ("telemetry/bundle_export.py", "', '.join((f'{c} = ?' for c in _RUN_TEXT_COLUMNS))"): "constant columns",
     ("telemetry/reader.py", "table"): "checked against TAILABLE_TABLES just above",

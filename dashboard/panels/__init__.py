@@ -1,0 +1,1 @@
+"""Strips and widgets the pages draw (Streamlit calls only, data from `queries/`, figures from `figures/`)."""

@@ -1,0 +1,1 @@
+"""The ``python -m engine`` commands: each module's ``add_parser`` registers its options, ``run`` runs it."""

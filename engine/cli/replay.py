@@ -1,0 +1,67 @@
+"""``python -m engine replay``: its options, ``--flip`` parsing and the printed report; the re-run
+itself is ``engine/replay/rerun.py``."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from engine.cli.kv_cache_args import add_kv_cache_args, kv_cache_options
+from engine.replay import flips as replay_flips
+from engine.replay.compare import compare, text_report
+from engine.replay.rerun import load_input, recorded_kv_cache, replay_run, resolve_model
+from telemetry import cli_args
+from telemetry.levers import LEVERS_BY_NAME, LeversError
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("replay", help="re-run a recorded run and compare decisions and tokens")
+    p.add_argument("bundle", help="a bug-report bundle (.zip), or a telemetry.db / run directory")
+    p.add_argument("--run", type=cli_args.run_id, default=None, help="run id inside a telemetry.db (default: latest)")
+    p.add_argument("--json", action="store_true", help="print the comparison as one JSON object")
+    p.add_argument("--flip", action="append", default=[], metavar="NAME=VALUE",
+                   help="override a lever for the whole replay (repeatable), e.g. bisect_no_mix=true")
+    p.add_argument("--model", default=None, help="'tiny' or a checkpoint directory (default: the run's model)")
+    add_kv_cache_args(p, from_run=True)
+    p.add_argument("--ignore-checkpoint-hash", action="store_true",
+                   help="replay even when the checkpoint differs from the recorded one (warns)")
+    p.set_defaults(func=run)
+
+
+def parse_flips(items: list[str]) -> dict[str, Any]:
+    """``["bisect_no_mix=true", ...]`` -> {name: checked value}; a bad item raises LeversError."""
+    flips: dict[str, Any] = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        name = name.strip()
+        if not sep or not name:
+            raise LeversError(f"--flip {item!r}: expected NAME=VALUE, e.g. bisect_no_mix=true")
+        lever = LEVERS_BY_NAME.get(name)
+        if lever is None:
+            raise LeversError(f"--flip {item!r}: unknown lever {name!r} (known: {', '.join(LEVERS_BY_NAME)})")
+        flips[name] = lever.parse_text(text)
+    return flips
+
+
+def run(args: argparse.Namespace) -> int:
+    flips = parse_flips(args.flip)
+    recorded, _manifest = load_input(args.bundle, args.run)
+    flips, no_op_notes = replay_flips.split_no_op_flips(recorded, flips)
+    for note in no_op_notes:
+        print(note, file=sys.stderr)
+    model, warnings = resolve_model(recorded, args.model, ignore_hash=args.ignore_checkpoint_hash)
+    for warning in warnings:
+        print(warning, file=sys.stderr)
+    replayed = replay_run(recorded, model=model, flips=flips,
+                          kv_cache=kv_cache_options(args, recorded_kv_cache(recorded.config)))
+    report = compare(recorded, replayed)
+    report["flips"] = flips
+    report["run_id"] = recorded.run_id
+    report["lever_changes_replayed"] = replayed.lever_log
+    report["notes"] = list(recorded.notes) + warnings + no_op_notes
+    if args.json:
+        print(json.dumps(report, default=str))
+    else:
+        print(text_report(report, flips=flips, notes=report["notes"]))
+    return 0

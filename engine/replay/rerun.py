@@ -1,0 +1,186 @@
+"""``python -m engine replay BUNDLE.zip``: re-run a recorded workload and prove it reproduces (the command
+and its report: ``engine/cli/replay.py``).
+
+The replay rebuilds the engine with the run's config (KV blocks, SSM slots,
+seed, device, dtype) on the same checkpoint (its hash is checked), then
+drives the scheduler the way ``serve`` did, keyed by tick instead of wall
+time: before each tick's step it submits the requests recorded as arriving
+at that tick and applies the lever changes recorded at that tick. Idle spells
+cost no tick, so a request that arrived while the engine idled is submitted
+as soon as the replay idles. A run that was stopped (SIGTERM, crash) is cut
+after the same number of ticks. The result is compared decision by decision
+and token by token (``compare.py``).
+
+``--flip NAME=VALUE`` overrides a lever for the whole replay (it wins over the
+recorded timeline) and runs every request to its end: the bisect workflow,
+where decisions are expected to differ and tokens, for a batch-invariant
+engine, are not.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections import deque
+from typing import Any
+
+import torch
+
+from engine.replay import flips as replay_flips
+from engine.serve.engine_setup import build_engine, checkpoint_dir_of, checkpoint_hash
+from engine.cache.kv_options import OPTION_KEYS
+from engine.model.fault import ForwardFault
+from engine.replay.compare import ReplayedRequest, ReplayedRun
+from engine.replay.record import RecordedRun, ReplayInputError, load_recorded_run
+from engine.scheduler.request_features import CLIENT_DISCONNECTED
+from engine.scheduler.loop import CANCELLED_PREFIX
+from telemetry import events as ev
+from telemetry.levers import LEVERS_BY_NAME, LeverValues, defaults
+
+log = logging.getLogger("chunkscope.replay")
+
+
+def load_input(path: str, run_id: int | None = None) -> tuple[RecordedRun, dict[str, Any] | None]:
+    """A bundle zip (through ``telemetry.bundle``) or a telemetry store; returns (run, manifest or None)."""
+    if path.endswith(".zip"):
+        from telemetry.bundle import BundleError, open_bundle
+        if not os.path.isfile(path):
+            raise ReplayInputError(f"{path}: no such bundle")
+        try:
+            bundle = open_bundle(path)
+        except BundleError as exc:
+            raise ReplayInputError(str(exc)) from None
+        with bundle:  # everything is read into memory; the extracted files go at once
+            time_range = bundle.manifest.get("time_range") or {}
+            if time_range.get("is_windowed"):
+                raise ReplayInputError(f"{path}: a time-windowed bundle holds only part of the run; "
+                                       f"export the whole run to replay it")
+            recorded = load_recorded_run(bundle.db_path, bundle.run_id if run_id is None else run_id)
+        recorded.source = path
+        return recorded, bundle.manifest
+    if os.path.isdir(path):
+        path = os.path.join(path, "telemetry.db")
+    if not os.path.exists(path):
+        raise ReplayInputError(f"{path}: no such bundle or telemetry store")
+    return load_recorded_run(path, run_id), None
+
+
+def resolve_model(recorded: RecordedRun, model: str | None, *, ignore_hash: bool) -> tuple[str, list[str]]:
+    """The model to load and any warnings; refuses a checkpoint whose hash differs from the run's."""
+    if model is None:
+        if recorded.model != "tiny":
+            raise ReplayInputError(f"run {recorded.run_id} used checkpoint {recorded.model!r}: "
+                                   f"pass --model DIR pointing at it")
+        model = "tiny"
+    directory = checkpoint_dir_of(model)
+    if not directory.is_dir():
+        raise ReplayInputError(f"--model {model}: no such checkpoint directory")
+    found = checkpoint_hash(directory)
+    if not recorded.checkpoint_hash or found == recorded.checkpoint_hash:
+        return model, [] if recorded.checkpoint_hash else ["the run recorded no checkpoint hash; weights unchecked"]
+    message = (f"checkpoint {directory} has hash {found[:12]}, the run used {recorded.checkpoint_hash[:12]}: "
+               f"tokens cannot be expected to match")
+    if not ignore_hash:
+        raise ReplayInputError(message + " (pass --ignore-checkpoint-hash to replay anyway)")
+    return model, ["warning: " + message]
+
+
+def recorded_kv_cache(config: dict[str, Any]) -> dict[str, Any]:
+    """The KV cache options a run recorded (a run from before they existed: full precision)."""
+    return {"kv_cache_dtype": "auto", **{k: config[k] for k in OPTION_KEYS if config.get(k) is not None}}
+
+
+def _lever_values(values: dict[str, Any]) -> LeverValues:
+    known = {k: v for k, v in values.items() if k in LEVERS_BY_NAME}
+    return defaults().replace(**known)
+
+
+def replay_run(recorded: RecordedRun, *, model: str = "tiny", flips: dict[str, Any] | None = None,
+               device: str | None = None, kv_cache: dict[str, Any] | None = None) -> ReplayedRun:
+    """Re-run ``recorded`` on ``model`` (checked by the caller) and collect what the engine did.
+
+    ``kv_cache``: KV cache options; by default the run's own (format, byte budget, InnerQ windows)."""
+    flips = dict(flips or {})
+    config = recorded.config
+    device = device or config.get("device") or None
+    if device and device.startswith("cuda") and not torch.cuda.is_available():
+        device = "cpu"
+    dtype = getattr(torch, str(config.get("dtype", "float32")), torch.float32)
+    levers = _lever_values(recorded.start_levers).replace(**flips)
+    rows: dict[type, list] = {ev.ChunkDecision: [], ev.Tick: [], ev.TokenEvent: []}
+
+    def collect(event: Any) -> None:
+        bucket = rows.get(type(event))
+        if bucket is not None:
+            bucket.append(event)
+
+    torch.set_grad_enabled(False)
+    setup = build_engine(model, kv_blocks=config["kv_blocks"], ssm_slots=config["ssm_slots"],
+                         levers=levers, seed=int(config.get("seed", 0)), device=device, dtype=dtype,
+                         emit=collect,  # only the rows a comparison needs are kept
+                         fault=ForwardFault.parse(config["fault_forward"]) if config.get("fault_forward") else None,
+                         kv_cache=kv_cache if kv_cache is not None else recorded_kv_cache(config))
+    sched = setup.scheduler
+    replay_flips.check_model_can_honour(flips, setup.model)
+    submitted, lever_log = drive(sched, recorded, flips, cut_at_tick=None if flips else recorded.num_ticks,
+                                 cut_lengths=replay_flips.recorded_cut_lengths(recorded) if flips else None)
+    # From the submitted objects, in submission order (``sched.done`` holds them in end order).
+    done = {r.request_id: ReplayedRequest(r.request_id, r.status, r.error, list(r.output_tokens))
+            for r in submitted}
+    return ReplayedRun(rows[ev.ChunkDecision], rows[ev.Tick], rows[ev.TokenEvent], done, lever_log)
+
+
+def drive(sched, recorded: RecordedRun, flips: dict[str, Any], *, cut_at_tick: int | None,
+          cut_lengths: dict[int, int] | None = None) -> tuple[list[Any], list[dict]]:
+    """Submit arrivals and apply lever changes at their recorded ticks, stepping like ``serve``.
+
+    ``cut_lengths``: requests the recording cut short end where it did (a flipped replay).
+
+    Returns the submitted Request objects (in submission order) and the lever log."""
+    pending = deque(recorded.requests)
+    changes = deque(recorded.lever_changes)
+    # API clients that went away: cancelled again at the tick boundary where the engine cancelled them.
+    disconnects = deque(sorted((r for r in recorded.requests if r.status == ev.REQ_CANCELLED and
+                                r.error == f"{CANCELLED_PREFIX}{CLIENT_DISCONNECTED}"), key=lambda r: r.tick))
+    lever_log: list[dict] = []
+    submitted: list[Any] = []
+
+    def submit(record: ev.RequestRecord) -> None:
+        submitted.append(sched.submit(record.request_id, list(record.prompt_tokens), dict(record.sampling),
+                                      conversation_id=record.conversation_id, features=record.features or None,
+                                      grammar=record.grammar, grammar_ready_tick=record.grammar_ready_tick))
+
+    def arrivals_and_levers() -> None:
+        while pending and pending[0].arrival_tick <= sched.tick:
+            submit(pending.popleft())
+        while disconnects and disconnects[0].tick <= sched.tick and not flips:
+            sched.cancel(disconnects.popleft().request_id, CLIENT_DISCONNECTED)
+        due: dict[str, Any] = {}
+        while changes and changes[0].tick <= sched.tick:
+            change = changes.popleft()
+            due[change.name] = change.new
+        if due:
+            values = sched.levers.replace(**due).replace(**flips)  # a flip wins over the timeline
+            applied = sched.apply_levers(values, source="replay")
+            if applied:
+                lever_log.append({"tick": sched.tick, "changes": {k: v[1] for k, v in applied.items()}})
+
+    while cut_at_tick is None or sched.tick < cut_at_tick:
+        arrivals_and_levers()
+        if cut_lengths:
+            replay_flips.cut_where_recorded(sched, cut_lengths)
+        if sched.has_work and sched.step():
+            continue
+        if not pending:
+            if not sched.has_work:
+                break
+            # Work that cannot run (e.g. a head request waiting for blocks nobody frees)
+            # and nothing left to arrive: serve would spin here until stopped.
+            break
+        # Idle: serve sleeps until the next arrival, and idle time costs no tick, so
+        # the next arrival was recorded at this tick (later only when a flip changed pace).
+        submit(pending.popleft())
+    arrivals_and_levers()  # arrivals and levers logged at the final tick, never stepped
+    sched.stop()
+    return submitted, lever_log
+
+

@@ -1,0 +1,39 @@
+"""The dashboard shows API traffic: each request's source on the Requests page, the API request
+rate and the first-token rules on the Live page (AppTest against the API server's own store)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from dashboard.paths import ENV_RUN_DIR
+from serve_process import wait_for
+
+APP = str(Path(__file__).resolve().parents[3] / "dashboard" / "app.py")
+
+
+def open_page(monkeypatch, run_dir, page=None):
+    from streamlit.testing.v1 import AppTest
+    monkeypatch.setenv(ENV_RUN_DIR, str(run_dir))
+    at = AppTest.from_file(APP, default_timeout=30)
+    at.run()
+    if page is not None:
+        at.switch_page(f"app_pages/{page}.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def test_live_and_requests_pages_show_api_traffic(api_server, monkeypatch):
+    api_server.client().chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "dashboard"}], max_tokens=3,
+        extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    wait_for(lambda: api_server.rows("SELECT 1 FROM requests WHERE first_token_rules = 'thinking' "
+                                     "AND status = 'finished'"), "the thinking request row")
+    num_api = api_server.rows("SELECT count(*) AS n FROM requests WHERE source = 'api'")[0]["n"]
+    num_thinking = api_server.rows("SELECT count(*) AS n FROM chunks WHERE first_token_rules LIKE '%thinking%'")[0]["n"]
+    live = open_page(monkeypatch, api_server.run_dir)
+    metrics = {m.label: m.value for m in live.metric}
+    assert metrics["requests api / workload"] == f"{num_api} / 0"
+    assert metrics["thinking (think-end banned)"] == str(num_thinking)
+    assert float(next(v for k, v in metrics.items() if k.startswith("API requests/s"))) >= 0
+    requests = open_page(monkeypatch, api_server.run_dir, "requests")
+    table = requests.dataframe[0].value
+    assert set(table["source"]) == {"api"} and "thinking" in set(table["first_token_rules"].dropna())
