@@ -121,10 +121,26 @@ def why_unavailable(cpu_flags: set[str], compiler: str | None, variant: str | No
     return None
 
 
+def variant_in_force() -> str | None:
+    """``variant_name()``, or None (logged once) where CHUNKSCOPE_KERNEL_ISA names no variant: then the
+    callers keep their torch paths, as for any other reason a kernel cannot run."""
+    try:
+        return variant_name()
+    except ValueError as error:
+        _warn_once(str(error))
+        return None
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    log.warning("native kernels unavailable (%s): using the torch paths", message)
+
+
 def load(name: str, variant: str | None = None) -> ctypes.CDLL | None:
     """The compiled ``<name>.cpp`` of this package in ``variant`` (default: the one in force), or None
     (logged once) where it cannot be built."""
-    return _load(name, variant_name() if variant is None else variant)
+    variant = variant_in_force() if variant is None else variant
+    return None if variant is None else _load(name, variant)
 
 
 @functools.cache
@@ -143,7 +159,8 @@ def _load(name: str, variant: str) -> ctypes.CDLL | None:
 def bind(name: str, symbol: str, argtypes: tuple, restype=None):
     """``symbol`` of the compiled ``<name>.cpp`` (the variant in force) with its C signature set, or None
     where the library cannot be built (``load`` logs why, once). Built on the first call, then cached."""
-    return _bind(variant_name(), name, symbol, argtypes, restype)
+    variant = variant_in_force()
+    return None if variant is None else _bind(variant, name, symbol, argtypes, restype)
 
 
 def clear_caches() -> None:

@@ -45,8 +45,8 @@ def _flags(variant: str) -> list[str]:
 @functools.cache
 def available() -> bool:
     """Whether ``torch.ops.chunkscope_native`` is loaded (builds it on the first call; False, logged once)."""
-    cxx, variant = native.compiler(), native.variant_name()
-    reason = native.why_unavailable(native._cpu_flags(), cxx, variant)
+    cxx, variant = native.compiler(), native.variant_in_force()
+    reason = "no kernel variant" if variant is None else native.why_unavailable(native._cpu_flags(), cxx, variant)
     if reason is None:
         sources = [SOURCE] + [native.SOURCE_DIR / f"{name}.cpp" for name in KERNEL_SOURCES]
         try:

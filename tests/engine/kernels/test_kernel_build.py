@@ -6,8 +6,9 @@ import shutil
 import subprocess
 
 import pytest
+import torch
 
-from engine.kernels import native
+from engine.kernels import native, skinny_gemm
 
 KERNELS = sorted(path.stem for path in native.SOURCE_DIR.glob("*.cpp"))
 # What vec.h defines: a kernel source must include it, never define its own copy.
@@ -61,6 +62,17 @@ def test_the_variant_follows_the_cpu_unless_forced(monkeypatch):
     assert "libsimde-dev" in native.why_unavailable(epyc, "g++", "avx512-simde", simde=False)
     monkeypatch.setattr(native, "ISA", "avx2")
     assert native.variant_name(xeon) == "avx2"
+
+
+def test_a_bad_variant_name_leaves_the_torch_paths_with_one_log_line(monkeypatch, caplog):
+    monkeypatch.setattr(native, "ISA", "avx1024")
+    native._warn_once.cache_clear()
+    with caplog.at_level("WARNING", logger="chunkscope.kernels"):
+        assert native.load("rms_norm") is None and not skinny_gemm.available()
+        assert skinny_gemm.pack(torch.randn(4, 4)) is None
+    assert [r.getMessage() for r in caplog.records].count(
+        "native kernels unavailable (CHUNKSCOPE_KERNEL_ISA must be auto or one of avx2, avx512, avx512-bf16, "
+        "avx512-simde, got 'avx1024'): using the torch paths") == 1
 
 
 def test_a_header_change_moves_every_kernel_to_a_new_build(sources):
