@@ -137,15 +137,19 @@ class GatedDeltaNet(nn.Module):
                 mixed, z, b, a = mixed[split:], z[split:], b[split:], a[split:]
             rows = mixed  # [B, C]
             # The native step computes the gates and the output norm itself (fp32); a compiled graph
-            # calls it as a custom op on the whole pools.
+            # calls it as a custom op on the whole pools. A bf16 layer's rows are widened for it.
+            wide_rows, wide_z, wide_b, wide_a, conv_weight, norm_weight = self._native_inputs(rows, z, b, a, weight)
             if torch.compiler.is_compiling():
                 normed = custom_ops.gdn_decode_gated_traced(
-                    rows, pool.conv, pool.recurrent, self.linear_index, weight, group.ssm_slots, a, b,
-                    neg_rate, dt_bias, z, self.norm.weight, self.norm.eps, self.num_k_heads, self.head_k_dim,
+                    wide_rows, pool.conv, pool.recurrent, self.linear_index, conv_weight, group.ssm_slots, wide_a,
+                    wide_b, neg_rate, dt_bias, wide_z, norm_weight, self.norm.eps, self.num_k_heads, self.head_k_dim,
                     self.head_v_dim)
             else:
-                normed = self._native_decode(rows, z, b, a, conv_states, weight, rec_states, group.ssm_slots,
-                                             neg_rate, dt_bias)
+                normed = gdn_step.decode_gated(wide_rows, conv_states, conv_weight, rec_states, group.ssm_slots,
+                                               wide_a, wide_b, neg_rate, dt_bias, wide_z, norm_weight, self.norm.eps,
+                                               self.num_k_heads, self.head_k_dim, self.head_v_dim)
+            if normed is not None and normed.dtype != rows.dtype:
+                normed = normed.to(rows.dtype)  # one rounding of the float32 step's output
             if normed is None:
                 g_rows, beta_rows = self._gates(a, b, neg_rate, dt_bias)  # [B, Hv] each
                 out = gdn_step.decode(rows, conv_states, weight, rec_states, group.ssm_slots, g_rows, beta_rows,
@@ -159,22 +163,17 @@ class GatedDeltaNet(nn.Module):
         core = torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]  # [T, value_dim]
         return self.fused_out(core) if self.fused_out is not None else self.out_proj(core)
 
-    def _native_decode(self, rows, z, b, a, conv_states, weight, rec_states, slots, neg_rate, dt_bias):
-        """The fused native decode step -> [B, value_dim], or None where it does not run.
+    def _native_inputs(self, rows, z, b, a, weight):
+        """The fused native decode step's inputs: (rows, z, b, a, conv weight, norm weight).
 
-        It computes in float32 on the float32 pools; a bf16 layer's rows are widened for it and its
-        output rounded back to bf16 once (5 conversions, against ~25 torch ops of the tensor path,
-        which rounds the conv and the norm to bf16 on the way: the native step is the more precise).
+        It computes in float32 on the float32 pools: a bf16 layer's projections are widened for it
+        and the caller rounds its output back to bf16 once (5 conversions, against ~25 torch ops of
+        the tensor path, which rounds the conv and the norm to bf16 on the way: the native step is
+        the more precise). Other dtypes pass as they are (the step declines what it does not take).
         """
         if rows.dtype == torch.bfloat16 and self.native_weights is not None:
-            conv_weight, norm_weight = self.native_weights
-            out = gdn_step.decode_gated(rows.float(), conv_states, conv_weight, rec_states, slots, a.float(), b.float(),
-                                        neg_rate, dt_bias, z.float(), norm_weight, self.norm.eps, self.num_k_heads,
-                                        self.head_k_dim, self.head_v_dim)
-            return None if out is None else out.to(rows.dtype)
-        return gdn_step.decode_gated(rows, conv_states, weight, rec_states, slots, a, b, neg_rate, dt_bias, z,
-                                     self.norm.weight, self.norm.eps, self.num_k_heads, self.head_k_dim,
-                                     self.head_v_dim)
+            return (rows.float(), z.float(), b.float(), a.float(), *self.native_weights)
+        return rows, z, b, a, weight, self.norm.weight
 
     @staticmethod
     def _gates(a: torch.Tensor, b: torch.Tensor, neg_rate: torch.Tensor,

@@ -105,8 +105,8 @@ class FusedLinear:
     def traced_skinny_applies(self, x: torch.Tensor) -> bool:
         """While dynamo traces: whether ``x`` [T, in] takes the C++ skinny GEMM operator."""
         return (self.skinny_packed is not None and custom_ops.native_gemm_ready() and x.dim() == 2
-                and 0 < x.shape[0] <= skinny_gemm.MAX_ROWS and x.dtype == torch.float32 == self.weight.dtype
-                and x.device.type == "cpu")
+                and 0 < x.shape[0] <= skinny_gemm.MAX_ROWS and x.dtype == self.skinny_packed.dtype
+                and x.dtype in skinny_gemm.KINDS and x.device.type == "cpu")
 
     def can_pack(self, x: torch.Tensor) -> bool:
         """Whether ``x`` [T, in] takes the prepacked path (never in a compiled graph: inductor cannot lower

@@ -19,10 +19,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import gdn_step, skinny_gemm, swiglu_gemm
+from engine.kernels import gdn_step, native, paged_attention, skinny_gemm, swiglu_gemm
 from engine.model import layers
 from engine.model.gdn import GatedDeltaNet
+from engine.model.loader import load_model
 from engine.model.tiny import TINY_CONFIG
+from tests.engine.model.test_decode_fastpaths import BF16_MAX_LOGIT_ERROR, _run
 from tests.engine.kernel_marks import needs_kernels
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread", "kernel_variant"), needs_kernels(skinny_gemm, gdn_step)]
@@ -100,7 +102,7 @@ def test_a_bf16_fused_linear_and_mlp_route_decode_rows_to_the_kernel(monkeypatch
     torch.testing.assert_close(got.float(), want, rtol=2 ** -7, atol=2 ** -6 * want.abs().max().item())
 
 
-def test_a_bf16_gdn_layer_decodes_through_the_float32_native_step(monkeypatch):
+def test_a_bf16_gdn_layer_decodes_through_the_float32_native_step():
     """bf16 rows widened, the float32 step on the float32 pools, the output rounded once: against the
     float32 tensor path on the same bf16 weights and rows (states within 1e-5, the output within one
     bf16 rounding, rtol 2^-8)."""
@@ -121,11 +123,13 @@ def test_a_bf16_gdn_layer_decodes_through_the_float32_native_step(monkeypatch):
     rec = torch.randn(5, heads, layer.head_k_dim, layer.head_v_dim) * 0.3
     slots = torch.tensor([4, 0, 2])
     neg_rate, dt_bias = layer.decay_rate
-    calls, real = [], gdn_step.decode_gated
-    monkeypatch.setattr(gdn_step, "decode_gated", lambda *args: calls.append(args[0].dtype) or real(*args))
     conv_native, rec_native = conv.clone(), rec.clone()
-    got = layer._native_decode(rows, z, b, a, conv_native, layer.conv_weight, rec_native, slots, neg_rate, dt_bias)
-    assert calls == [torch.float32] and got is not None and got.dtype == torch.bfloat16
+    wide = layer._native_inputs(rows, z, b, a, layer.conv_weight)  # what forward() hands the step
+    assert all(t.dtype == torch.float32 for t in wide)
+    wide_rows, wide_z, wide_b, wide_a, conv_weight, norm_weight = wide
+    got = gdn_step.decode_gated(wide_rows, conv_native, conv_weight, rec_native, slots, wide_a, wide_b, neg_rate,
+                                dt_bias, wide_z, norm_weight, layer.norm.eps, layer.num_k_heads, layer.head_k_dim,
+                                layer.head_v_dim).to(torch.bfloat16)
     with torch.no_grad():
         g, beta = reference._gates(a, b, neg_rate, dt_bias)
         out = reference._decode_rows(rows.float(), g, beta, conv, rec, slots, None)
@@ -133,7 +137,6 @@ def test_a_bf16_gdn_layer_decodes_through_the_float32_native_step(monkeypatch):
     torch.testing.assert_close(rec_native, rec, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(conv_native, conv, rtol=0, atol=0)
     torch.testing.assert_close(got.float(), want, rtol=2 ** -8, atol=1e-5)
-
 
 
 def test_a_bf16_rms_norm_runs_the_float32_kernel_and_rounds_once(monkeypatch):
@@ -150,3 +153,23 @@ def test_a_bf16_rms_norm_runs_the_float32_kernel_and_rounds_once(monkeypatch):
     assert calls == [torch.float32] and got.dtype == torch.bfloat16
     want = (layers._rms_normalize(x, 1e-6) * norm.scale).to(torch.bfloat16)  # the torch path, float32 inside
     torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -8, atol=1e-6)
+
+
+def test_a_bf16_model_decodes_through_the_native_kernels(monkeypatch):
+    """The tiny model in bf16, every weight on the skinny GEMM: each decode step's GDN layers, attention
+    layers and norms take the kernels, and the logits stay within the bf16 tolerance of the torch
+    paths (test_decode_fastpaths' BF16_MAX_LOGIT_ERROR, teacher-forced on the same tokens)."""
+    monkeypatch.setattr(layers, "PACKED_MIN_WEIGHT", 0)
+    model = load_model("tiny", dtype=torch.bfloat16)[0]
+    assert model.fused_lm_head.skinny and model.fused_lm_head.skinny_packed.dtype == torch.bfloat16
+    taken = {"gdn": [], "attention": []}
+    for module, name, key in ((gdn_step, "decode_gated", "gdn"), (paged_attention, "decode", "attention")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *args, _real=real, _key=key, **kwargs:
+                            taken[_key].append(_real(*args, **kwargs)) or taken[_key][-1])
+    tokens, native_logits = _run(model, torch.bfloat16, 6)
+    assert taken["gdn"] and taken["attention"] and all(out is not None for outs in taken.values() for out in outs)
+    monkeypatch.setattr(native, "ENABLED", False)
+    _, torch_logits = _run(model, torch.bfloat16, 6, forced=tokens[:6])
+    errors = [(a - b).abs().max().item() for a, b in zip(native_logits, torch_logits)]
+    assert max(errors) <= BF16_MAX_LOGIT_ERROR, errors
