@@ -5,16 +5,17 @@
 // K-major: packed[p][k][j] = W[p * 16 + j, k], N zero-padded up to a multiple of 16. A panel is
 // one contiguous stream and each k step reads exactly one 64-byte line of it.
 //
-// Outer-product register tile of MR input rows x two vectors (AVX2: MR <= 6, 16 columns, one
-// panel): per k step two weight vectors are loaded and each of the MR input values is broadcast against both, so 2 + MR loads
-// feed 2 * MR FMAs, and no horizontal sums. 12 accumulators + 2 weight vectors + 1 broadcast =
-// 15 ymm: no spills in the k loops (checked with g++ -S). Rows beyond 6 loop the tile over even
-// row groups (8 rows: 4 + 4) while the panel is hot in L1/L2, so the weight is read from memory
-// once per call whatever the batch. Each k step prefetches one line of the panel PREFETCH_PANELS
-// ahead, the lines spread evenly over all row groups and k steps: prefetches issued in a burst
-// (the first k/groups steps of each group) left memory idle while the later groups computed
-// (bench/decode_gemm.py, AVX2 EPYC, 30 weights of 3072x576, batch 8: 8.3 GB/s bursty, 11-12.6
-// spread; the dot-product kernel this replaced, reading W in its own layout: 7.7).
+// Outer-product register tile of MR input rows x two vectors (with AVX2: MR <= 6, one panel of
+// 16 columns): per k step two weight vectors are loaded and each of the MR input values is
+// broadcast against both, so 2 + MR loads feed 2 * MR FMAs, and no horizontal sums. 12
+// accumulators + 2 weight vectors + 1 broadcast = 15 ymm: no spills in the k loops (checked with
+// g++ -S). Rows beyond MR loop the tile over even row groups (8 rows: 4 + 4) while the panel is
+// hot in L1/L2, so the weight is read from memory once per call whatever the batch. Each k step
+// prefetches one line of the panels PREFETCH_TILES tiles ahead, the lines spread evenly over all
+// row groups and k steps: prefetches issued in a burst (the first k/groups steps of each group)
+// left memory idle while the later groups computed (bench/decode_gemm.py, AVX2 EPYC Zen 3, 30
+// weights of 3072x576, batch 8: 8.3 GB/s bursty, 11-12.6 spread; the dot-product kernel this
+// replaced, reading W in its own layout: 7.7).
 //
 // swiglu_gemm_f32 is the same loop over the MLP's gate and up weights packed in pairs (each panel
 // 8 gate + the matching 8 up columns): the tile applies SiLU(gate) * up to its accumulators, so
@@ -24,9 +25,12 @@
 // both, so a packed copy serves either build: a tile is always two vectors wide, i.e. one panel
 // with 8 lanes and two adjacent panels with 16 (the last tile of an odd panel count: one vector).
 // Each output is one FMA chain over k in the same order in both widths: the two builds agree
-// bit for bit (tests/engine/test_kernel_isa.py).
+// bit for bit (tests/engine/kernels/test_kernel_isa.py). bf16 weights (the *_bf16 entry points
+// below) take the same tiles over panels with a k pair per column per line.
 // With 16 lanes and 32 registers a tile takes up to 12 rows (24 accumulators + 2 weights + 1
-// broadcast), so a batch of 8 rows is one pass over the weight and 32 rows three.
+// broadcast), so a batch of 8 rows is one pass over the weight and 32 rows three (AMD EPYC Zen 4,
+// 30 weights of 3072x576: batch 8 14.5-15 GB/s against 9-10 with 8 lanes; prefetching 1-4 tiles
+// ahead: the same within the noise).
 #include <stdint.h>
 #include <string.h>
 

@@ -6,7 +6,7 @@
 // step makes 21 such calls (17 GEMMs, 3 GDN steps, 1 attention), as much as its arithmetic. Here
 // the same checks are a few C++ comparisons. The kernels are the existing sources, compiled into
 // this library beside this file and called through their extern "C" functions (declared below:
-// keep them in step with the sources; tests/engine/test_torch_ops.py compares every op with the
+// keep them in step with the sources; tests/engine/kernels/test_torch_ops.py compares every op with the
 // ctypes path). Schemas as engine/kernels/custom_ops.py's Python ops, plus skinny_linear and swiglu_linear.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
