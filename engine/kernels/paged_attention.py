@@ -97,10 +97,11 @@ def decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_tabl
         new_keys, new_values, slots = new_kv
         write = ctypes.byref(_NewKV(new_keys.data_ptr(), new_values.data_ptr(), new_keys.stride(0), new_keys.stride(1),
                                     new_values.stride(0), new_values.stride(1), slots.data_ptr()))
-    status = _kernel(store_dtype)(q.data_ptr(), q.stride(0), q.stride(1), keys.data_ptr(), values.data_ptr(), num_blocks, block_size,
-                 block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1], context_lens.data_ptr(),
-                 gate_ptr, ldg_row, ldg_head, write, batch, heads, kv_heads, head_dim,
-                 head_dim ** -0.5 if scale is None else scale, out.data_ptr())
+    status = _kernel(store_dtype)(
+        q.data_ptr(), q.stride(0), q.stride(1), keys.data_ptr(), values.data_ptr(), num_blocks, block_size,
+        block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1], context_lens.data_ptr(),
+        gate_ptr, ldg_row, ldg_head, write, batch, heads, kv_heads, head_dim,
+        head_dim ** -0.5 if scale is None else scale, out.data_ptr())
     if status != 0:
         raise ValueError(f"paged decode attention: a context length outside 1 .. {block_tables.shape[1] * block_size},"
                          f" a block id outside 0 .. {num_blocks - 1} or a new K/V slot outside the store")

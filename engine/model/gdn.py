@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.cache.ssm_pool import SSMPool
-from engine.kernels import custom_ops, gdn_step
+from engine.kernels import custom_ops, gdn_step, native
 from engine.model.batch import ForwardBatch
 from engine.model.config import ModelConfig
 from engine.model.gdn_rule import CHUNK_SIZE, chunked_gated_delta_rule, recurrent_gated_delta_step
@@ -171,7 +171,7 @@ class GatedDeltaNet(nn.Module):
         the tensor path, which rounds the conv and the norm to bf16 on the way: the native step is
         the more precise). Other dtypes pass as they are (the step declines what it does not take).
         """
-        if rows.dtype == torch.bfloat16 and self.native_weights is not None:
+        if rows.dtype == torch.bfloat16 and self.native_weights is not None and native.enabled():
             return (rows.float(), z.float(), b.float(), a.float(), *self.native_weights)
         return rows, z, b, a, weight, self.norm.weight
 

@@ -59,5 +59,5 @@ def test_swiglu_is_bit_equal_in_every_variant(rows, intermediate, inner, monkeyp
 
 def test_this_machine_runs_the_16_lane_code_in_some_build():
     """The AVX-512 source must run here, natively or through SIMDe: else nothing here tests it."""
-    assert {"avx512", "avx512-simde"} & set(RUNNABLE), (
-        f"neither avx512 build can run ({native.why_unavailable(native._cpu_flags(), native.compiler(), 'avx512-simde')})")
+    reason = native.why_unavailable(native._cpu_flags(), native.compiler(), "avx512-simde")
+    assert {"avx512", "avx512-bf16", "avx512-simde"} & set(RUNNABLE), f"no avx512 build can run ({reason})"
