@@ -38,14 +38,14 @@ def main() -> None:
     use_persistent_cache(args.cache_dir or cache_root() / "inductor")
     torch.set_num_threads(1)
     model = load_model("tiny")[0]
-    runners = {kind: ModelRunner(model, num_kv_blocks=8 * max(batches) + 8, num_ssm_slots=max(batches),
-                                 compile=CompileSettings(args.backend) if kind == "compiled" else None)
+    runners = {kind: ModelRunner.build(model, num_kv_blocks=8 * max(batches) + 8, num_ssm_slots=max(batches),
+                                       compile=CompileSettings(args.backend) if kind == "compiled" else None)
                for kind in ("compiled", "eager")}
     seqs = {kind: [] for kind in runners}
     for kind, runner in runners.items():
         for i in range(max(batches)):
             seq = SequenceState(i)
-            runner.admit(seq)
+            runner.pools.admit(seq)
             runner.prefill_chunk(seq, list(range(1, 33 + i)), 0, 32 + i, True)
             seqs[kind].append(seq)
 

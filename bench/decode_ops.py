@@ -42,11 +42,11 @@ def main() -> None:
         parser.error("--batch must be 1..256 and --steps >= 1")
     torch.set_num_threads(1)
     model = load_model("tiny")[0]
-    runner = ModelRunner(model, num_kv_blocks=args.batch * (4 + args.steps // 16), num_ssm_slots=args.batch)
+    runner = ModelRunner.build(model, num_kv_blocks=args.batch * (4 + args.steps // 16), num_ssm_slots=args.batch)
     seqs = []
     for i in range(args.batch):
         seq = SequenceState(i)
-        runner.admit(seq)
+        runner.pools.admit(seq)
         runner.prefill_chunk(seq, list(range(1, 33)), 0, 32, True)
         seqs.append(seq)
     step = lambda: runner.decode(seqs, [1] * args.batch)  # noqa: E731

@@ -105,19 +105,20 @@ class Ours:
         self.model = model
         self.dtype = next(model.parameters()).dtype
         blocks_per_seq = -(-(DECODE_CONTEXT + max_steps) // 16) + 1
-        self.runner = ModelRunner(model, num_kv_blocks=max(BATCHES) * blocks_per_seq, num_ssm_slots=max(BATCHES),
-                                  dtype=self.dtype, compile=compile)
+        self.runner = ModelRunner.build(model, num_kv_blocks=max(BATCHES) * blocks_per_seq, num_ssm_slots=max(BATCHES),
+                                        dtype=self.dtype, compile=compile)
         self.seqs = []
         for i in range(max(BATCHES)):
             seq = SequenceState(i)
-            self.runner.admit(seq)
+            self.runner.pools.admit(seq)
             self.runner.prefill_chunk(seq, list(range(1, DECODE_CONTEXT + 1)), 0, DECODE_CONTEXT, True)
             self.seqs.append(seq)
 
     def prefill(self, prompt: list[int]) -> float:
-        runner = ModelRunner(self.model, num_kv_blocks=-(-len(prompt) // 16) + 1, num_ssm_slots=1, dtype=self.dtype)
+        runner = ModelRunner.build(self.model, num_kv_blocks=-(-len(prompt) // 16) + 1, num_ssm_slots=1,
+                                   dtype=self.dtype)
         seq = SequenceState(0)
-        runner.admit(seq)
+        runner.pools.admit(seq)
         return seconds(lambda: runner.prefill_chunk(seq, prompt, 0, len(prompt), True))
 
     def decode_step(self, batch: int) -> float:

@@ -44,6 +44,7 @@ import torch  # noqa: E402
 from engine.model.config import ModelConfig  # noqa: E402
 from engine.model.loader import load_model  # noqa: E402
 from engine.model.qwen3_5 import Qwen35ForCausalLM  # noqa: E402
+from engine.model.forward_batch import ForwardBatch, PrefillChunk  # noqa: E402
 from engine.model.runner import ModelRunner  # noqa: E402
 from engine.model.tiny import perturb_parameters, random_init  # noqa: E402
 from engine.cache.sequence import SequenceState  # noqa: E402
@@ -120,9 +121,9 @@ def parity(reference, directory: Path, device: str, dtype: torch.dtype) -> tuple
     """Engine logits at the prompt's end and at each teacher-forced step vs transformers' fp32 ones."""
     prompt, greedy, expected = reference
     model, _, _ = load_model(directory, dtype=dtype, device=device)
-    runner = ModelRunner(model, num_kv_blocks=8, num_ssm_slots=2, device=device, dtype=dtype)
+    runner = ModelRunner.build(model, num_kv_blocks=8, num_ssm_slots=2, device=device, dtype=dtype)
     seq = SequenceState(0)
-    runner.admit(seq)
+    runner.pools.admit(seq)
     rows = [runner.prefill_chunk(seq, prompt, 0, PROMPT_LEN, True)]
     for token in greedy:                        # teacher forcing: feed transformers' tokens
         rows.append(runner.decode([seq], [token])[0])
@@ -136,9 +137,9 @@ def parity(reference, directory: Path, device: str, dtype: torch.dtype) -> tuple
         return ("ok" if ok else "FAIL"), (f"logits max|diff| {max_diff:.3f} over {len(rows)} positions, "
                                           f"{max_diff / scale:.1%} of their scale {scale:.2f} (<= 10%), "
                                           f"teacher-forced next-token agreement {agree:.0%} (>= 85%)")
-    runner.release(seq)                         # free-running greedy from a fresh slot
+    runner.pools.release(seq)                         # free-running greedy from a fresh slot
     seq = SequenceState(1)
-    runner.admit(seq)
+    runner.pools.admit(seq)
     ours = [int(runner.prefill_chunk(seq, prompt, 0, PROMPT_LEN, True).argmax())]
     for _ in range(NUM_GREEDY - 1):
         ours.append(int(runner.decode([seq], [ours[-1]])[0].argmax()))
@@ -191,15 +192,15 @@ def fused_ratio(model_name: str, device: str, dtype: torch.dtype, rounds: int,
         model.to(device=device, dtype=dtype).eval()
         model.fuse()
     blocks = batch * (context // 16 + 2) + chunk // 16 + 4
-    runner = ModelRunner(model, num_kv_blocks=blocks, num_ssm_slots=batch + 1, device=device, dtype=dtype)
+    runner = ModelRunner.build(model, num_kv_blocks=blocks, num_ssm_slots=batch + 1, device=device, dtype=dtype)
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
     decodes = [SequenceState(i) for i in range(batch)]
     for seq in decodes:
-        runner.admit(seq)
+        runner.pools.admit(seq)
         runner.prefill_chunk(seq, torch.randint(0, vocab, (context,), generator=generator).tolist(), 0, context, True)
     newborn = SequenceState(batch)
-    runner.admit(newborn)
+    runner.pools.admit(newborn)
     prompt = torch.randint(0, vocab, (chunk,), generator=generator).tolist()
     last = torch.randint(0, vocab, (batch,), generator=generator).tolist()
 
@@ -209,7 +210,7 @@ def fused_ratio(model_name: str, device: str, dtype: torch.dtype, rounds: int,
         newborn.num_cached_tokens = 0
 
     def fused() -> None:
-        runner.mixed_forward(decodes, last, newborn, prompt, 0, chunk, True)
+        runner.forward(ForwardBatch.mixed(decodes, last, PrefillChunk(newborn, prompt, 0, chunk, True)))
 
     def separate() -> None:
         runner.prefill_chunk(newborn, prompt, 0, chunk, True)

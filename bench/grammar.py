@@ -59,10 +59,10 @@ def grammar_for(kind: str, max_tokens: int) -> dict | None:
 
 def run_once(model, tokenizer, kind: str, args) -> dict:
     rows: list = []
-    runner = ModelRunner(model, num_kv_blocks=args.batch * (-(-(args.prompt_len + args.max_tokens) // 16) + 1),
-                         num_ssm_slots=args.batch)
-    sched = Scheduler(runner, defaults(), emit=rows.append)
-    sched.grammars = GrammarCompiler.for_model(model, tokenizer, runner.vocab_size)
+    runner = ModelRunner.build(model, num_kv_blocks=args.batch * (-(-(args.prompt_len + args.max_tokens) // 16) + 1),
+                               num_ssm_slots=args.batch)
+    sched = Scheduler(runner, defaults(), emit=rows.append,
+                      grammars=GrammarCompiler.for_model(model, tokenizer, runner.vocab_size))
     rng = random.Random(0)
     grammar = grammar_for(kind, args.max_tokens)
     for i in range(args.batch):

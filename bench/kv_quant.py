@@ -79,7 +79,7 @@ def prefill(runner: ModelRunner, seq: SequenceState, prompt: list[int]) -> torch
     """Chunked prefill with the calibration poll before each chunk, as the scheduler does; last logits [V]."""
     logits = None
     for offset in range(0, len(prompt), CHUNK):
-        runner.poll_kv_quant()
+        runner.pools.poll_kv_quant()
         length = min(CHUNK, len(prompt) - offset)
         logits = runner.prefill_chunk(seq, prompt, offset, length, offset + length == len(prompt))
     return logits
@@ -89,16 +89,16 @@ class Side:
     """One runner (full precision or a quantized dtype) with its calibrated evaluation sequence."""
 
     def __init__(self, model, dtype: str, budget: int, calib_prompt: list[int], calib_tokens: int):
-        self.runner = ModelRunner(model, num_kv_blocks=1, num_ssm_slots=2, kv_budget_bytes=budget,
-                                  kv_quant=config_for(dtype, calib_tokens=calib_tokens))
+        self.runner = ModelRunner.build(model, num_kv_blocks=1, num_ssm_slots=2, kv_budget_bytes=budget,
+                                        kv_quant=config_for(dtype, calib_tokens=calib_tokens))
         calib = SequenceState(0)
-        self.runner.admit(calib)
+        self.runner.pools.admit(calib)
         prefill(self.runner, calib, calib_prompt)
-        self.runner.release(calib)
-        while self.runner.poll_kv_quant() is not None:  # calibrating -> ready -> applied
+        self.runner.pools.release(calib)
+        while self.runner.pools.poll_kv_quant() is not None:  # calibrating -> ready -> applied
             pass
         self.seq = SequenceState(1)
-        self.runner.admit(self.seq)
+        self.runner.pools.admit(self.seq)
         self.step_s: list[float] = []
 
     def step(self, token: int) -> torch.Tensor:
@@ -114,14 +114,14 @@ def measure(name: str, steps: int, seed: int) -> list[dict]:
     g = torch.Generator().manual_seed(seed + 1)
     prompt = torch.randint(0, config.vocab_size, (context - steps,), generator=g).tolist()
     calib_prompt = torch.randint(0, config.vocab_size, (calib_tokens,), generator=g).tolist()
-    probe = ModelRunner(model, num_kv_blocks=1, num_ssm_slots=1)
-    budget = probe.fp_block_bytes * (2 * -(-(context + calib_tokens) // 16) + 4)
+    probe = ModelRunner.build(model, num_kv_blocks=1, num_ssm_slots=1)
+    budget = probe.pools.fp_block_bytes * (2 * -(-(context + calib_tokens) // 16) + 4)
     del probe
     full = Side(model, "auto", budget, calib_prompt, calib_tokens)
     sides = {dtype: Side(model, dtype, budget, calib_prompt, calib_tokens) for dtype in DTYPES}
     logits = {"auto": [prefill(full.runner, full.seq, prompt)]}
     for dtype, side in sides.items():
-        assert side.runner.kv_quant_state == "applied"
+        assert side.runner.pools.kv_quant_state == "applied"
         logits[dtype] = [prefill(side.runner, side.seq, prompt)]
     tokens = []
     for _ in range(steps):   # full precision chooses; every side reads the same history
@@ -138,12 +138,12 @@ def measure(name: str, steps: int, seed: int) -> list[dict]:
         agree = (quant[:steps].argmax(-1) == torch.tensor(tokens)).float().mean()
         rows.append({
             "config": name, "dtype": dtype,
-            "capacity_ratio": round(side.runner.block_manager.num_blocks / full.runner.block_manager.num_blocks, 3),
+            "capacity_ratio": round(side.runner.pools.blocks.num_blocks / full.runner.pools.blocks.num_blocks, 3),
             "greedy_agreement": round(float(agree), 4), "logit_kl": float(f"{float(kl.mean()):.3g}"),
             "decode_ms_ratio": round(statistics.median(side.step_s) / statistics.median(full.step_s), 3),
             "context": context, "decode_ms": round(statistics.median(side.step_s) * 1e3, 3),
             "full_decode_ms": round(statistics.median(full.step_s) * 1e3, 3),
-            "blocks_quantized": side.runner.block_manager.num_quantized,
+            "blocks_quantized": side.runner.pools.blocks.num_quantized,
         })
     return rows
 

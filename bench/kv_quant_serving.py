@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench.kv_quant import cpu_model  # noqa: E402
+from engine.serve.driver import TickArrivals, TickDriver, run_arrivals  # noqa: E402
 from engine.serve.engine_setup import build_engine  # noqa: E402
 from engine.workload.synthetic import SyntheticWorkload  # noqa: E402
 from telemetry import events as ev  # noqa: E402
@@ -47,20 +48,14 @@ def serve(specs, kv_cache: dict, ssm_slots: int, seed: int) -> dict:
     setup = build_engine("tiny", kv_blocks=1, ssm_slots=ssm_slots, levers=defaults(), seed=seed, emit=collect,
                          kv_cache=kv_cache)
     sched = setup.scheduler
-    pending = sorted(specs, key=lambda s: s.arrival_s)
+    arrivals = TickArrivals(sorted(specs, key=lambda s: s.arrival_s), lambda s: int(s.arrival_s * TICKS_PER_S))
     start = time.perf_counter()
-    while pending or sched.has_work:
-        while pending and int(pending[0].arrival_s * TICKS_PER_S) <= sched.tick:
-            spec = pending.pop(0)
-            sched.submit(spec.request_id, spec.prompt_tokens, spec.sampling)
-        if not sched.step() and pending:   # idle: the next arrival comes now (idle costs no tick)
-            spec = pending.pop(0)
-            sched.submit(spec.request_id, spec.prompt_tokens, spec.sampling)
+    run_arrivals(TickDriver(sched, [arrivals]), arrivals)   # idle: the next arrival comes now (no tick)
     wall_s = time.perf_counter() - start
     statuses = Counter(r.status for r in sched.done)
     return {
         "kv_cache_dtype": kv_cache["kv_cache_dtype"], "kv_cache_mb": kv_cache["kv_cache_mb"],
-        "kv_blocks": sched.runner.block_manager.num_blocks, "preemptions": sched.num_preemptions,
+        "kv_blocks": sched.pools.blocks.num_blocks, "preemptions": sched.num_preemptions,
         "finished": statuses.get(ev.REQ_FINISHED, 0), "preempted": statuses.get(ev.REQ_PREEMPTED, 0),
         "other_end_states": {k: v for k, v in statuses.items() if k not in (ev.REQ_FINISHED, ev.REQ_PREEMPTED)},
         "ticks": sched.tick, "tokens_generated": sum(len(r.output_tokens) for r in sched.done),

@@ -34,6 +34,7 @@ import torch  # noqa: E402
 from engine.model.loader import load_model  # noqa: E402
 from engine.model.runner import ModelRunner  # noqa: E402
 from engine.scheduler.loop import Scheduler  # noqa: E402
+from engine.serve.driver import TickDriver, submit_spec  # noqa: E402
 from engine.workload.synthetic import SyntheticWorkload  # noqa: E402
 from telemetry.events import RunStarted  # noqa: E402
 from telemetry.levers import defaults  # noqa: E402
@@ -59,15 +60,15 @@ def run_once(model, specs, *, telemetry: bool, kv_blocks: int, ssm_slots: int, w
                                     config={"kv_blocks": kv_blocks, "ssm_slots": ssm_slots}, model_config={},
                                     versions={}, workload={"kind": "bench"}, levers=defaults().as_dict()))
         emit = writer.emit
-    runner = ModelRunner(model, num_kv_blocks=kv_blocks, num_ssm_slots=ssm_slots)
+    runner = ModelRunner.build(model, num_kv_blocks=kv_blocks, num_ssm_slots=ssm_slots)
     sched = Scheduler(runner, defaults(), emit=emit, run_seed=0)
+    driver = TickDriver(sched)   # every request is there at tick 0
     for spec in specs:
-        sched.submit(spec.request_id, list(spec.prompt_tokens), dict(spec.sampling))
+        submit_spec(sched, spec)
     if profile is not None:
         profile.enable()
     start, cpu_start = time.perf_counter(), time.process_time()
-    while sched.step():
-        pass
+    driver.run()
     loop_s = time.perf_counter() - start
     if profile is not None:
         profile.disable()

@@ -34,6 +34,8 @@ from tqdm import tqdm  # noqa: E402
 from engine.model.loader import load_model  # noqa: E402
 from engine.model.runner import ModelRunner  # noqa: E402
 from engine.scheduler.loop import Scheduler  # noqa: E402
+from engine.serve.driver import TickDriver, TimedArrivals  # noqa: E402
+from engine.serve.workload_feed import WorkloadFeed  # noqa: E402
 from engine.workload.multiturn import MultiTurnWorkload  # noqa: E402
 from engine.workload.request import RequestSpec  # noqa: E402
 from telemetry import events as ev  # noqa: E402
@@ -61,18 +63,16 @@ class RunResult:
 
 def replay(model, specs: list[RequestSpec], levers: dict, kv_blocks: int, ssm_slots: int) -> RunResult:
     """Submit each request when its arrival time comes due; step the scheduler in between."""
-    runner = ModelRunner(model, num_kv_blocks=kv_blocks, num_ssm_slots=ssm_slots)
+    runner = ModelRunner.build(model, num_kv_blocks=kv_blocks, num_ssm_slots=ssm_slots)
     sched = Scheduler(runner, defaults().replace(**levers), prefix_cache=True)
-    pending = list(specs)
+    feed = WorkloadFeed(iter(specs), {})
     start_ns = sched.now_ns()
+    driver = TickDriver(sched, [TimedArrivals(feed, lambda: (sched.now_ns() - start_ns) / 1e9)])
     wall = time.perf_counter()
-    while pending or sched.has_work:
-        elapsed_s = (sched.now_ns() - start_ns) / 1e9
-        while pending and pending[0].arrival_s <= elapsed_s:
-            spec = pending.pop(0)
-            sched.submit(spec.request_id, spec.prompt_tokens, spec.sampling, conversation_id=spec.conversation_id)
-        if not sched.step() and pending:
-            time.sleep(max(0.0, min(0.01, pending[0].arrival_s - elapsed_s)))
+    while not feed.is_exhausted or sched.has_work:
+        if not driver.tick().ran and not feed.is_exhausted:
+            elapsed_s = (sched.now_ns() - start_ns) / 1e9
+            time.sleep(max(0.0, min(0.01, feed.next_arrival_s() - elapsed_s)))
     wall_s = time.perf_counter() - wall
     by_id = {r.request_id: r for r in sched.done}
     failed = [r for r in by_id.values() if r.status != ev.REQ_FINISHED]

@@ -59,7 +59,7 @@ def child(calls: int, model_name: str) -> dict:
     torch.set_num_threads(1)
     model = build(model_name, torch.float32)
     max_len = 576
-    runner = ModelRunner(model, num_kv_blocks=max_len // 16 + 1, num_ssm_slots=1)
+    runner = ModelRunner.build(model, num_kv_blocks=max_len // 16 + 1, num_ssm_slots=1)
     prompt = [(i * 37) % model.config.vocab_size for i in range(max_len)]
     rng = random.Random(0)
     lengths = [rng.randint(layers.PACKED_MIN_ROWS, max_len) for _ in range(calls)]
@@ -68,9 +68,9 @@ def child(calls: int, model_name: str) -> dict:
     start = time.thread_time()
     for i, length in enumerate(lengths):
         seq = SequenceState(i)
-        runner.admit(seq)
+        runner.pools.admit(seq)
         runner.prefill_chunk(seq, prompt[:length], 0, length, True)
-        runner.release(seq)
+        runner.pools.release(seq)
         if i + 1 == WARMUP_CALLS:
             samples["warm"] = rss_mb()
             start = time.thread_time()

@@ -73,7 +73,7 @@ def make_prompts(num: int, seed: int, vocab: int, length: int = 48) -> list[list
 def run_once(model, prompts, speculation: str, max_tokens: int, num_drafts: int):
     """All prompts one after the other; returns (outputs, (wall s, CPU s) of decoding, spec_step details)."""
     rows: list = []
-    runner = ModelRunner(model, num_kv_blocks=512, num_ssm_slots=2)
+    runner = ModelRunner.build(model, num_kv_blocks=512, num_ssm_slots=2)
     levers = defaults().replace(speculation=speculation, num_speculative_tokens=num_drafts)
     sched = Scheduler(runner, levers, emit=rows.append)
     if sched.levers.speculation != speculation:

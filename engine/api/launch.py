@@ -78,7 +78,7 @@ class API:
     def after_tick(self, sched) -> None:
         """Tokens and ends go out; the gauges show the pools now (also right after a cancel)."""
         self.bridge.publish(sched)
-        bm, pool = sched.runner.block_manager, sched.runner.ssm_pool
+        bm, pool = sched.pools.blocks, sched.pools.ssm
         self.metrics.set_state(num_running=len(sched.active) + int(sched.prefilling is not None),
                                num_waiting=len(sched.waiting), kv_blocks_used=bm.num_used,
                                kv_blocks_total=bm.num_usable, ssm_slots_used=pool.num_used)
@@ -94,7 +94,7 @@ class API:
 
 
 def frontend_config(args: argparse.Namespace, setup) -> FrontendConfig:
-    model, bm = setup.model, setup.runner.block_manager
+    model, bm = setup.model, setup.scheduler.pools.blocks
     return FrontendConfig(model_name=setup.model_name, checkpoint_dir=str(setup.checkpoint_dir),
                           vocab_size=setup.runner.vocab_size, max_context=setup.scheduler.max_context,
                           num_kv_blocks=bm.num_blocks, block_size=bm.block_size,

@@ -21,6 +21,7 @@ from engine.model.loader import load_model
 from engine.model.tiny import cache_root
 from engine.model.runner import ModelRunner
 from engine.scheduler.loop import Scheduler
+from engine.serve.driver import TickDriver
 from engine.spec.kinds import SPECULATION_KINDS
 from engine.scheduler.sampling import SamplingParams, make_generator, sample_next
 from engine.cache.sequence import SequenceState
@@ -80,11 +81,11 @@ def generate(model, tokenizer, prompt: list[int], params: SamplingParams, stop_a
     if runner is None:
         kv_blocks, ssm_slots = runner_sizes(len(prompt), params.max_tokens)
         weight = next(model.parameters())   # the caches hold what the weights compute in (bfloat16 too)
-        runner = ModelRunner(model, num_kv_blocks=kv_blocks, num_ssm_slots=ssm_slots, device=weight.device,
-                             dtype=weight.dtype, kv_quant=kv_quant_config(kv_cache),
-                             kv_budget_bytes=budget_bytes(kv_cache), compile=compile)
+        runner = ModelRunner.build(model, num_kv_blocks=kv_blocks, num_ssm_slots=ssm_slots, device=weight.device,
+                                   dtype=weight.dtype, kv_quant=kv_quant_config(kv_cache),
+                                   kv_budget_bytes=budget_bytes(kv_cache), compile=compile)
     seq = SequenceState(request_id=0)
-    runner.admit(seq)
+    runner.pools.admit(seq)
     eos_ids = {model.eos_token_id} if model.eos_token_id is not None else set()
     generator = make_generator(params.seed)
     state = _grammar_state(model, tokenizer, grammar) if grammar is not None else None
@@ -92,7 +93,7 @@ def generate(model, tokenizer, prompt: list[int], params: SamplingParams, stop_a
     logits = None
     for offset in range(0, len(prompt), PREFILL_CHUNK):
         length = min(PREFILL_CHUNK, len(prompt) - offset)
-        runner.poll_kv_quant()  # as the scheduler: InnerQ's calibration moves on before each chunk
+        runner.pools.poll_kv_quant()  # as the scheduler: InnerQ's calibration moves on before each chunk
         logits = runner.prefill_chunk(seq, prompt, offset, length, offset + length == len(prompt))
     tokens: list[int] = []
     while True:
@@ -108,13 +109,13 @@ def generate(model, tokenizer, prompt: list[int], params: SamplingParams, stop_a
         if finish != "length" or len(tokens) >= params.max_tokens:
             break
         logits = runner.decode([seq], [token])[0]
-    runner.release(seq)
+    runner.pools.release(seq)
     text = tokenizer.decode([t for t in tokens if t not in eos_ids]) if tokenizer is not None else None
     result = {"tokens": tokens, "text": text, "finish_reason": finish}
     if state is not None:
         result["grammar_complete"] = state.is_accepting
-    if runner.innerq is not None:
-        result.update(kv_cache_dtype=kv_cache["kv_cache_dtype"], kv_quant_state=runner.kv_quant_state)
+    if runner.pools.innerq is not None:
+        result.update(kv_cache_dtype=kv_cache["kv_cache_dtype"], kv_quant_state=runner.pools.kv_quant_state)
     if runner.compiled_decode is not None:
         compiled = runner.compiled_decode
         result["compile"] = {"backend": compiled.settings.backend, "compile_s": round(compiled.compile_seconds, 3),
@@ -162,19 +163,17 @@ def generate_speculative(model, tokenizer, prompt: list[int], params: SamplingPa
     rows: list = []
     weight = next(model.parameters())
     kv_cache = kv_cache or {"kv_cache_dtype": "auto"}
-    runner = ModelRunner(model, num_kv_blocks=-(-total // 16) + 1, num_ssm_slots=1, device=weight.device,
-                         dtype=weight.dtype, kv_quant=kv_quant_config(kv_cache), kv_budget_bytes=budget_bytes(kv_cache))
-    sched = Scheduler(runner, levers, emit=rows.append)
+    runner = ModelRunner.build(model, num_kv_blocks=-(-total // 16) + 1, num_ssm_slots=1, device=weight.device,
+                               dtype=weight.dtype, kv_quant=kv_quant_config(kv_cache),
+                               kv_budget_bytes=budget_bytes(kv_cache))
+    sched = Scheduler(runner, levers, emit=rows.append, eos_ids=None if stop_at_eos else ())
     refused = [r.reason for r in rows if isinstance(r, ev.LeverChange) and r.status == "rejected"]
     if refused:
         raise ValueError(f"--speculation {speculation}: {refused[0]}")
-    if not stop_at_eos:
-        sched.eos_ids = set()
     request = sched.submit(0, prompt, params.to_dict())
     if request.error is not None:
         raise ValueError(request.error)
-    while sched.has_work:
-        sched.step()
+    TickDriver(sched).run()
     if request.error is not None:
         raise RuntimeError(f"generation failed: {request.error}")
     steps = [r.detail for r in rows if isinstance(r, ev.GenericEvent) and r.kind == "spec_step"
@@ -276,7 +275,7 @@ def _generate_ep(args: argparse.Namespace, model, tokenizer, prompt: list[int],
         return run_rank(model, rank=rank, size=args.ep, kv_blocks=kv_blocks, ssm_slots=ssm_slots, block_size=16,
                         dtype=spec.dtype, device=spec.device, timeout_s=args.ep_timeout,
                         exchange=args.ep_exchange, checkpoint_hash=digest)
-    runner = ModelRunner(model, num_kv_blocks=kv_blocks, num_ssm_slots=ssm_slots, dtype=spec.dtype)
+    runner = ModelRunner.build(model, num_kv_blocks=kv_blocks, num_ssm_slots=ssm_slots, dtype=spec.dtype)
     children = [] if from_torchrun else launch.spawn_ranks(spec)
     ep = launch.start_leader(model, runner, spec, digest, children)
     failed = True

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from engine.cache.ssm_pool import SSMPool
 from engine.distributed.group import EPGroup, collective
-from engine.model.batch import DecodeGroup, ForwardBatch, PrefillSegment
+from engine.model.batch import DecodeGroup, PackedBatch, PrefillSegment
 from engine.model.gdn import SSMCapture
 
 OP_FORWARD, OP_IDLE, OP_STOP = 1, 2, 3
@@ -37,7 +37,7 @@ def send_control(group: EPGroup, op: int, device: torch.device) -> None:
         dist.broadcast(_header(op).to(device), src=0)
 
 
-def send_forward(group: EPGroup, batch: ForwardBatch, rows: torch.Tensor | None, pool: SSMPool,
+def send_forward(group: EPGroup, batch: PackedBatch, rows: torch.Tensor | None, pool: SSMPool,
                  block_size: int) -> None:
     """Rank 0: broadcast everything the other ranks need to run the same forward."""
     header = _header(OP_FORWARD)
@@ -105,7 +105,7 @@ def receive(group: EPGroup, pool: SSMPool, device: torch.device):
     decode = None
     if num_decodes:
         decode = decode_group(slots, tables.reshape(num_decodes, max_blocks), context_lens, h[H_BLOCK_SIZE])
-    batch = ForwardBatch(token_ids, positions, kv_slots, prefill, decode)
+    batch = PackedBatch(token_ids, positions, kv_slots, prefill, decode)
     if h[H_CAPTURE] >= 0:
         batch.ssm_capture = SSMCapture(num_rows=h[H_CAPTURE])  # same split of the chunk as on rank 0
     return OP_FORWARD, batch, (rows if num_rows >= 0 else None)

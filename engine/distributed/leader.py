@@ -17,7 +17,7 @@ import torch.distributed as dist
 from engine.cache.ssm_pool import SSMPool
 from engine.distributed import control
 from engine.distributed.group import EPGroup, collective
-from engine.model.batch import ForwardBatch
+from engine.model.batch import PackedBatch
 from engine.model.errors import RankFailure
 from telemetry import events as ev
 
@@ -57,7 +57,7 @@ class EPLeader:
             if code is not None:
                 raise RankFailure(f"expert-parallel rank {rank} (pid {child.pid}) exited with status {code}")
 
-    def before_forward(self, batch: ForwardBatch, rows: torch.Tensor | None, pool: SSMPool) -> None:
+    def before_forward(self, batch: PackedBatch, rows: torch.Tensor | None, pool: SSMPool) -> None:
         self.check_children()
         start = time.perf_counter_ns()
         control.send_forward(self.group, batch, rows, pool, self.block_size)

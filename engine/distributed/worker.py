@@ -31,7 +31,7 @@ def serve_forwards(group: EPGroup, model, runner: ModelRunner, device: torch.dev
     num_forwards = 0
     while True:
         waited = time.perf_counter_ns()
-        op, batch, rows = control.receive(group, runner.ssm_pool, device)
+        op, batch, rows = control.receive(group, runner.pools.ssm, device)
         received = time.perf_counter_ns() - waited
         if op == control.OP_STOP:
             return num_forwards
@@ -39,7 +39,7 @@ def serve_forwards(group: EPGroup, model, runner: ModelRunner, device: torch.dev
             continue  # idle keepalive
         model.moe_timings.reset()
         start = time.perf_counter_ns()
-        model(batch, runner.kv_store, runner.ssm_pool, rows)
+        model(batch, runner.pools.kv_store, runner.pools.ssm, rows)
         forward_ns = time.perf_counter_ns() - start
         # ``received`` includes waiting for rank 0 to decide the forward: the wait is the broadcast seen from here.
         gather_timings(group, [received, model.moe_timings.expert_ns, model.moe_timings.exchange_ns, forward_ns],
@@ -50,8 +50,8 @@ def serve_forwards(group: EPGroup, model, runner: ModelRunner, device: torch.dev
 def run_rank(model, *, rank: int, size: int, kv_blocks: int, ssm_slots: int, block_size: int,
              dtype: torch.dtype, device: torch.device, timeout_s: float, exchange: str, checkpoint_hash: str) -> int:
     """The whole life of a rank > 0; returns its exit status (0 after rank 0's stop)."""
-    runner = ModelRunner(model, num_kv_blocks=kv_blocks, num_ssm_slots=ssm_slots, block_size=block_size,
-                         device=device, dtype=dtype)
+    runner = ModelRunner.build(model, num_kv_blocks=kv_blocks, num_ssm_slots=ssm_slots, block_size=block_size,
+                               device=device, dtype=dtype)
     try:
         group = init_group(rank, size, timeout_s, device)
         check_start(group, checkpoint_hash, start_settings(size, kv_blocks, ssm_slots, block_size, dtype, exchange),

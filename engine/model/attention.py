@@ -13,7 +13,7 @@ from torch import nn
 
 from engine.cache.kv_store import KVStore
 from engine.kernels import custom_ops, paged_attention
-from engine.model.batch import ForwardBatch
+from engine.model.batch import PackedBatch
 from engine.model.config import ModelConfig
 from engine.model.layers import FusedLinear, PartialRotary, ZeroCenteredRMSNorm
 
@@ -49,7 +49,7 @@ class GatedAttention(nn.Module):
             return self.fused_qkv(x).split([q_size, kv_size, kv_size], dim=-1)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVStore, rotary: PartialRotary,
+    def forward(self, x: torch.Tensor, batch: PackedBatch, kv: KVStore, rotary: PartialRotary,
                 cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden]; cos/sin: [T, rotary_dim]."""
         tokens = x.shape[0]
@@ -83,7 +83,7 @@ class GatedAttention(nn.Module):
         out = torch.cat(outputs, dim=0) if len(outputs) > 1 else outputs[0]  # [T, H * D]
         return self.fused_o(out) if self.fused_o is not None else self.o_proj(out)
 
-    def _gated_decode_attention(self, q: torch.Tensor, gate: torch.Tensor, batch: ForwardBatch,
+    def _gated_decode_attention(self, q: torch.Tensor, gate: torch.Tensor, batch: PackedBatch,
                                 kv: KVStore) -> torch.Tensor:
         """Decode rows q, gate [B, H, D] -> attention output times sigmoid(gate), [B, H * D].
 
@@ -99,7 +99,7 @@ class GatedAttention(nn.Module):
         out = self._decode_attention(q, batch, kv) * torch.sigmoid(gate)  # [B, H, D]
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
-    def _prefill_attention(self, q: torch.Tensor, batch: ForwardBatch, kv: KVStore) -> torch.Tensor:
+    def _prefill_attention(self, q: torch.Tensor, batch: PackedBatch, kv: KVStore) -> torch.Tensor:
         seg = batch.prefill
         context = seg.start + seg.length
         keys, values = kv.gather(self.layer_id, seg.block_ids)  # [n * block, Hkv, D]
@@ -116,7 +116,7 @@ class GatedAttention(nn.Module):
             out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, enable_gqa=True)
         return out[0].transpose(0, 1)  # [L, H, D]
 
-    def _decode_attention(self, q: torch.Tensor, batch: ForwardBatch, kv: KVStore) -> torch.Tensor:
+    def _decode_attention(self, q: torch.Tensor, batch: PackedBatch, kv: KVStore) -> torch.Tensor:
         group = batch.decode
         keys, values = kv.gather(self.layer_id, group.block_tables)  # [B, S, Hkv, D]
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hkv, S, D]

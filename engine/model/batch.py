@@ -34,7 +34,7 @@ class DecodeGroup:
 
 
 @dataclass
-class ForwardBatch:
+class PackedBatch:
     token_ids: torch.Tensor  # [T] long
     positions: torch.Tensor  # [T] long
     kv_slots: torch.Tensor  # [T] long: flat index block * block_size + offset for the new K/V
@@ -61,7 +61,7 @@ def _consecutive_range(slots: list[int]) -> tuple[int, int] | None:
 
 def build_batch(prefill: tuple[list[int], int, list[int], int] | None,
                 decodes: list[tuple[int, int, list[int], int]],
-                block_size: int, device: torch.device | str = "cpu") -> ForwardBatch:
+                block_size: int, device: torch.device | str = "cpu") -> PackedBatch:
     """Pack a forward.
 
     prefill: (chunk token ids, start position, block table, ssm slot) or None.
@@ -100,5 +100,5 @@ def build_batch(prefill: tuple[list[int], int, list[int], int] | None,
             visible=(columns[None, :] < context_lens[:, None])[:, None, None, :],
             slot_range=_consecutive_range(slots))
     as_long = dict(dtype=torch.long, device=device)
-    return ForwardBatch(torch.tensor(token_ids, **as_long), torch.tensor(positions, **as_long),
+    return PackedBatch(torch.tensor(token_ids, **as_long), torch.tensor(positions, **as_long),
                         torch.tensor(kv_slots, **as_long), prefill_segment, decode_group)

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from engine.kernels import custom_ops
-from engine.model.batch import DecodeGroup, ForwardBatch
+from engine.model.batch import DecodeGroup, PackedBatch
 from engine.model.layers import decode_projections
 
 log = logging.getLogger("chunkscope.compile")
@@ -233,7 +233,7 @@ class CompiledDecode:
         columns = torch.arange(block_tables.shape[1] * self.block_size, device=token_ids.device)
         visible = (columns[None, :] < context_lens[:, None])[:, None, None, :]  # [P, 1, 1, W * block]
         group = DecodeGroup(ssm_slots, block_tables, context_lens, visible, slot_range=None)
-        batch = ForwardBatch(token_ids, positions, kv_slots, None, group)
+        batch = PackedBatch(token_ids, positions, kv_slots, None, group)
         # The undecorated forward: inference mode is set around the compiled call, not traced.
         return type(self.model).forward.__wrapped__(self.model, batch, self.kv_store, self.ssm_pool, None)
 

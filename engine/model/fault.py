@@ -1,6 +1,6 @@
 """Test-only fault injection: make the model's forward raise when chosen requests are in it.
 
-Not a lever (nothing a dashboard user should flip): a ``ModelRunner(fault=...)``
+Not a lever (nothing a dashboard user should flip): a ``ModelRunner.build(fault=...)``
 constructor argument, or for a whole engine process the environment variable
 ``CHUNKSCOPE_FAULT_FORWARD``, read once by ``engine_setup.build_engine``. Its
 text is comma-separated request ids, each optionally limited to forward kinds

@@ -12,7 +12,7 @@ from torch import nn
 
 from engine.cache.ssm_pool import SSMPool
 from engine.kernels import custom_ops, gdn_step, native
-from engine.model.batch import ForwardBatch
+from engine.model.batch import PackedBatch
 from engine.model.config import ModelConfig
 from engine.model.gdn_rule import CHUNK_SIZE, chunked_gated_delta_rule, recurrent_gated_delta_step
 from engine.model.layers import FusedLinear, GatedRMSNorm
@@ -100,7 +100,7 @@ class GatedDeltaNet(nn.Module):
             return self.fused_in(x).split(sizes, dim=-1)
         return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, pool: SSMPool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: PackedBatch, pool: SSMPool) -> torch.Tensor:
         """x: [T, hidden] packed rows (prefill chunk first, then decode rows)."""
         mixed, z, b, a = self._project(x)  # [T, conv_dim], [T, value_dim], [T, Hv], [T, Hv]
         conv_states = pool.conv[self.linear_index]  # [S, conv_dim, K-1]

@@ -27,7 +27,7 @@ from torch import nn
 
 from engine.cache.kv_store import KVStore
 from engine.model.attention import GatedAttention
-from engine.model.batch import ForwardBatch
+from engine.model.batch import PackedBatch
 from engine.model.config import ModelConfig
 from engine.model.layers import FusedLinear, PartialRotary, SwiGLU, ZeroCenteredRMSNorm
 from engine.model.qwen3_5 import DecoderLayer
@@ -81,7 +81,7 @@ class MTPModule(nn.Module):
         for layer in self.layers:
             layer.fuse()
 
-    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, kv: KVStore,
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, batch: PackedBatch, kv: KVStore,
                 rotary: PartialRotary, step: int = 0) -> torch.Tensor:
         """embeds: embed(t_{p+1}) [T, H]; hidden: h_p [T, H]; ``batch`` places the rows at positions p.
 
@@ -106,7 +106,7 @@ def attach_mtp(model: nn.Module) -> MTPModule:
 
 
 @torch.inference_mode()
-def mtp_forward(model: nn.Module, token_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
+def mtp_forward(model: nn.Module, token_ids: torch.Tensor, hidden: torch.Tensor, batch: PackedBatch,
                 kv: KVStore, *, step: int = 0, logits_rows: torch.Tensor | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The MTP rows of ``batch`` (tokens t_{p+1} [T], main hidden h_p [T, H]) with the shared embeddings.

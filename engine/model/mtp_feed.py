@@ -16,12 +16,12 @@ from __future__ import annotations
 import torch
 
 from engine.cache.kv_store import KVStore
-from engine.model.batch import ForwardBatch, build_batch
+from engine.model.batch import PackedBatch, build_batch
 from engine.model.mtp import mtp_forward
 from engine.cache.sequence import SequenceState
 
 
-def keep_up(model, kv: KVStore, block_size: int, batch: ForwardBatch, hidden: torch.Tensor,
+def keep_up(model, kv: KVStore, block_size: int, batch: PackedBatch, hidden: torch.Tensor,
             prefill_seq: SequenceState | None, decode_seqs: list[SequenceState]) -> None:
     """Run the MTP rows that the main forward over ``batch`` made possible (writes MTP K/V only).
 

@@ -58,12 +58,12 @@ def greedy_sequences(model, settings: DistillSettings) -> torch.Tensor:
         prompts[row] = unit.repeat(-(-settings.prompt_len // period))[:settings.prompt_len]
     total = settings.prompt_len + settings.continuation_len
     block = 16
-    runner = ModelRunner(model, num_kv_blocks=settings.num_sequences * (-(-total // block)),
-                         num_ssm_slots=settings.num_sequences, block_size=block)
+    runner = ModelRunner.build(model, num_kv_blocks=settings.num_sequences * (-(-total // block)),
+                               num_ssm_slots=settings.num_sequences, block_size=block)
     seqs = [SequenceState(request_id=i) for i in range(settings.num_sequences)]
     last = []
     for seq, prompt in zip(seqs, prompts.tolist()):
-        runner.admit(seq)
+        runner.pools.admit(seq)
         last.append(int(runner.prefill_chunk(seq, prompt, 0, len(prompt), True).argmax()))
     columns = [torch.tensor(last)]
     for _ in range(settings.continuation_len - 1):
@@ -78,17 +78,17 @@ def main_model_targets(model, tokens: torch.Tensor) -> DistillData:
     length = tokens.shape[1]
     block = 16
     num_blocks = -(-length // block)
-    runner = ModelRunner(model, num_kv_blocks=num_blocks, num_ssm_slots=1, block_size=block)
+    runner = ModelRunner.build(model, num_kv_blocks=num_blocks, num_ssm_slots=1, block_size=block)
     hiddens, logits = [], []
     for row in tokens.tolist():
         seq = SequenceState(request_id=0)
-        runner.admit(seq)
-        runner.block_manager.allocate(seq, length)
+        runner.pools.admit(seq)
+        runner.pools.blocks.allocate(seq, length)
         batch = build_batch((row, 0, seq.block_table, seq.ssm_slot), [], block, "cpu")
-        out, hidden = model(batch, runner.kv_store, runner.ssm_pool, return_hidden=True)
+        out, hidden = model(batch, runner.pools.kv_store, runner.pools.ssm, return_hidden=True)
         hiddens.append(hidden)
         logits.append(out)
-        runner.release(seq)
+        runner.pools.release(seq)
     return DistillData(tokens, torch.stack(hiddens), torch.stack(logits))
 
 

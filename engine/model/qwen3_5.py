@@ -7,7 +7,7 @@ from torch import nn
 from engine.cache.kv_store import KVStore
 from engine.cache.ssm_pool import SSMPool
 from engine.model.attention import GatedAttention
-from engine.model.batch import ForwardBatch
+from engine.model.batch import PackedBatch
 from engine.model.config import ModelConfig
 from engine.model.gdn import GatedDeltaNet
 from engine.model.layers import FusedLinear, PartialRotary, SwiGLU, ZeroCenteredRMSNorm
@@ -55,7 +55,7 @@ class TextModel(nn.Module):
 
 
 class Qwen35ForCausalLM(nn.Module):
-    """Forward over a packed :class:`ForwardBatch`; K/V go to the paged store, GDN state to the pool."""
+    """Forward over a packed :class:`PackedBatch`; K/V go to the paged store, GDN state to the pool."""
 
     is_mla = False  # plain grouped K/V heads, no latent compression
     is_ep = False  # dense MLP, no expert parallelism
@@ -123,7 +123,7 @@ class Qwen35ForCausalLM(nn.Module):
         self.fused_lm_head = FusedLinear(self.lm_head.weight)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv: KVStore, pool: SSMPool,
+    def forward(self, batch: PackedBatch, kv: KVStore, pool: SSMPool,
                 logits_rows: torch.Tensor | None = None, *, return_hidden: bool = False,
                 exit_after: int | None = None):
         """Returns logits [R, V] for the rows in ``logits_rows`` (all rows when None).

@@ -1,15 +1,14 @@
-"""The forward API the scheduler calls: prefill chunks, decode batches, and both fused in one forward."""
+"""The forward API the scheduler calls: one ``ForwardBatch`` (a prefill chunk, decode rows, or both fused)
+in, its logits out."""
 from __future__ import annotations
 
 import torch
 
-from engine.cache.innerq import InnerQCache
-from engine.cache.kv import BlockManager
-from engine.cache.kv_calibration import STATE_OFF
-from engine.cache.kv_quant import InnerQConfig, fp_block_bytes
-from engine.cache.kv_store import KVStore
-from engine.cache.ssm_pool import SSMPool, SSMSnapshot
-from engine.model.batch import ForwardBatch, build_batch
+from engine.cache.kv_quant import InnerQConfig
+from engine.cache.pools import CachePools
+from engine.cache.ssm_pool import SSMSnapshot
+from engine.model.batch import PackedBatch, build_batch
+from engine.model.forward_batch import ForwardBatch, ForwardOutput
 from engine.model.compiled_decode import CompiledDecode, CompileSettings
 from engine.model.fault import KIND_DECODE, KIND_MIXED, KIND_PREFILL, ForwardFault
 from engine.model import mtp_feed
@@ -20,52 +19,26 @@ from engine.cache.sequence import SequenceState
 
 
 class ModelRunner:
-    """Owns the caches of one model and turns scheduler requests into packed forwards.
+    """Runs forwards (``forward(ForwardBatch)``) of one model over caches it is handed.
 
-    The block manager only does bookkeeping; this class allocates blocks before a forward
-    (so ``KVCacheExhausted`` leaves everything unchanged) and advances
-    ``seq.num_cached_tokens`` after it. A model call that raises gives its new blocks back
-    and advances no count; only tensor contents may be half-written (the caller restores
-    or discards them). ``fault``: the test-only fault hook (``engine/model/fault.py``).
+    The caches (``CachePools``) belong to the scheduler, which admits, releases and caps them;
+    the runner takes the blocks a forward needs before running it (so ``KVCacheExhausted`` leaves
+    everything unchanged) and advances ``seq.num_cached_tokens`` after it. A model call that
+    raises gives its new blocks back and advances no count; only tensor contents may be
+    half-written (the caller restores or discards them). ``fault``: the test-only fault hook
+    (``engine/model/fault.py``).
     """
 
-    def __init__(self, model: Qwen35ForCausalLM, num_kv_blocks: int, num_ssm_slots: int,
-                 block_size: int = 16, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 fault: ForwardFault | None = None, kv_quant: InnerQConfig | None = None,
-                 kv_budget_bytes: int | None = None, compile: CompileSettings | None = None):
+    def __init__(self, model: Qwen35ForCausalLM, pools: CachePools, *, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32, fault: ForwardFault | None = None,
+                 compile: CompileSettings | None = None):
         """``compile``: decode-only forwards through ``CompiledDecode`` (``compiled_decode.py``); the
-        caches then get the scratch block and slot its padding rows write to."""
+        pools then need the scratch block and slot its padding rows write to (``CachePools.build``)."""
         self.model = model
-        self.config = config = model.config
+        self.config = model.config
         self.device = torch.device(device)
         self.dtype = dtype
-        # The MTP layers (if any) are K/V layers too: same blocks, same block tables.
-        layers, kv_heads, head_dim = list(model.kv_layer_ids), config.num_key_value_heads, config.head_dim
-        # Bytes of one full-precision block: ``kv_budget_bytes`` (--kv-cache-mb) is counted in them,
-        # and without it an InnerQ cache gets the bytes ``num_kv_blocks`` full-precision blocks take.
-        self.fp_block_bytes = fp_block_bytes(len(layers), block_size, kv_heads, head_dim, dtype)
-        self.innerq: InnerQCache | None = None
-        if kv_quant is None:
-            if kv_budget_bytes is not None:
-                num_kv_blocks = kv_budget_bytes // self.fp_block_bytes
-                if num_kv_blocks < 1:
-                    raise ValueError(f"--kv-cache-mb: {kv_budget_bytes} bytes hold no KV block "
-                                     f"({self.fp_block_bytes} bytes each)")
-            self.block_manager = BlockManager(num_kv_blocks, block_size)
-            self.kv_store = KVStore(layers, num_kv_blocks, block_size, kv_heads, head_dim, dtype=dtype,
-                                    device=self.device, scratch_block=compile is not None)
-        else:
-            budget = kv_budget_bytes if kv_budget_bytes is not None else num_kv_blocks * self.fp_block_bytes
-            self.innerq = InnerQCache.build(layers, budget, block_size, kv_heads, head_dim, kv_quant, dtype,
-                                            self.device, calib_layer_ids=list(config.full_attention_layers))
-            self.block_manager = self.innerq.manager
-            self.kv_store = self.innerq.store
-        self.ssm_pool = SSMPool(num_ssm_slots, len(config.linear_attention_layers), config.conv_dim,
-                                config.linear_conv_kernel_dim, config.linear_num_value_heads,
-                                config.linear_key_head_dim, config.linear_value_head_dim, device=self.device,
-                                scratch_slot=compile is not None)
-        # The SSM state a forward captured inside its prefill chunk (``capture_at``), else None.
-        self.last_capture: SSMSnapshot | None = None
+        self.pools = pools
         self.fault = fault
         # Keep the MTP layer's K/V in step with every forward (on while speculation = mtp).
         self.mtp_keep_up = False
@@ -73,15 +46,26 @@ class ModelRunner:
         self._forward_cost = ForwardCost(0.0, 0.0)
         # The compiled decode step (None: eager); an InnerQ cache calibrates in Python, so it stays eager.
         self.compiled_decode: CompiledDecode | None = None
-        if compile is not None and self.innerq is None and getattr(model, "supports_compiled_decode", False):
-            self.compiled_decode = CompiledDecode(model, self.kv_store, self.ssm_pool, block_size, compile,
-                                                  self.device)
+        if compile is not None and pools.innerq is None and getattr(model, "supports_compiled_decode", False):
+            self.compiled_decode = CompiledDecode(model, pools.kv_store, pools.ssm, pools.blocks.block_size,
+                                                  compile, self.device)
         self.last_forward_compiled = False  # whether the last forward ran the compiled step
+
+    @classmethod
+    def build(cls, model: Qwen35ForCausalLM, num_kv_blocks: int, num_ssm_slots: int, block_size: int = 16,
+              device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+              fault: ForwardFault | None = None, kv_quant: InnerQConfig | None = None,
+              kv_budget_bytes: int | None = None, compile: CompileSettings | None = None) -> ModelRunner:
+        """A runner over new caches of these sizes (``CachePools.build``)."""
+        pools = CachePools.build(model, num_kv_blocks, num_ssm_slots, block_size=block_size, device=device,
+                                 dtype=dtype, kv_quant=kv_quant, kv_budget_bytes=kv_budget_bytes,
+                                 scratch=compile is not None)
+        return cls(model, pools, device=device, dtype=dtype, fault=fault, compile=compile)
 
     # ---- properties the scheduler reads ----------------------------------------------
     @property
     def kv_block_size(self) -> int:
-        return self.block_manager.block_size
+        return self.pools.blocks.block_size
 
     @property
     def is_mla(self) -> bool:
@@ -100,87 +84,29 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self.config.vocab_size
 
-    # ---- KV cache format (InnerQ) ----------------------------------------------------------
-    @property
-    def kv_quant_state(self) -> str:
-        """off (full precision), or the InnerQ calibration state: calibrating / ready / applied."""
-        return self.innerq.state if self.innerq is not None else STATE_OFF
-
-    def poll_kv_quant(self) -> dict | None:
-        """The reference's ``poll_innerq`` (start of every prefill chunk): a state change, or None."""
-        return self.innerq.poll() if self.innerq is not None else None
-
-    @property
-    def kv_bytes_used(self) -> int:
-        if self.innerq is not None:
-            return self.innerq.manager.bytes_used
-        return self.block_manager.num_used * self.fp_block_bytes
-
-    @property
-    def kv_bytes_total(self) -> int:
-        if self.innerq is not None:
-            return self.innerq.manager.budget_bytes
-        return self.block_manager.num_blocks * self.fp_block_bytes
-
-    # ---- sequence lifetime ------------------------------------------------------------
-    def admit(self, seq: SequenceState) -> None:
-        """Give ``seq`` an SSM slot with zero state (raises SSMPoolExhausted when none is free)."""
-        if seq.ssm_slot is None:
-            seq.ssm_slot = self.ssm_pool.allocate()
-        else:
-            self.ssm_pool.zero(seq.ssm_slot)
-        seq.mtp_hidden = None
-
-    def release(self, seq: SequenceState) -> None:
-        """Free the sequence's KV blocks and SSM slot."""
-        self.block_manager.free(seq)
-        seq.mtp_hidden = None
-        if seq.ssm_slot is not None:
-            self.ssm_pool.free(seq.ssm_slot)
-            seq.ssm_slot = None
-
-    def normalize_ssm_states(self, seq: SequenceState, max_norm: float = 1e4) -> bool:
-        return self.ssm_pool.normalize(self._slot(seq), max_norm)
-
     # ---- forwards -------------------------------------------------------------------------
-    def prefill_chunk(self, seq: SequenceState, prompt: list[int], offset: int, length: int,
-                      is_last: bool, capture_at: int | None = None) -> torch.Tensor | None:
-        """Run prompt[offset:offset+length]; logits [V] at its last token when ``is_last``.
-
-        ``capture_at`` (offset < capture_at < offset+length): also capture the SSM state after
-        prompt[:capture_at] into ``self.last_capture`` without splitting the chunk.
-        """
-        logits, _ = self.mixed_forward([], [], seq, prompt, offset, length, is_last, capture_at)
-        return logits
-
-    def decode(self, seqs: list[SequenceState], tokens: list[int]) -> torch.Tensor:
-        """One token per sequence; logits [B, V]."""
-        _, logits = self.mixed_forward(seqs, tokens, None, None, 0, 0, False)
-        return logits
-
-    def mixed_forward(self, decode_seqs: list[SequenceState], decode_tokens: list[int],
-                      prefill_seq: SequenceState | None, prompt: list[int] | None, offset: int, length: int,
-                      is_last: bool, capture_at: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """ONE forward over [prefill chunk rows | decode rows]; returns (prefill logits [V] or None, [B, V]).
-
-        ``capture_at`` as in ``prefill_chunk``: the captured state lands in ``self.last_capture``.
-        """
-        self.last_capture = None
+    def forward(self, fb: ForwardBatch) -> ForwardOutput:
+        """Run ``fb``: ONE forward over [prefill chunk rows | decode rows]."""
+        chunk_spec, decode_seqs, decode_tokens = fb.prefill, list(fb.decode_seqs), list(fb.decode_tokens)
+        prefill_seq = chunk_spec.seq if chunk_spec is not None else None
         if len(decode_seqs) != len(decode_tokens):
             raise ValueError(f"decode_tokens has {len(decode_tokens)} ids for {len(decode_seqs)} sequences")
         if prefill_seq is None and not decode_seqs:
             raise ValueError("a forward needs a prefill chunk or at least one decode sequence")
         chunk: list[int] = []
-        if prefill_seq is not None:
-            chunk = self._check_chunk(prefill_seq, prompt, offset, length)
-        if capture_at is not None and (prefill_seq is None or not offset < capture_at < offset + length):
+        offset, length, is_last, capture_at = 0, 0, False, None
+        if chunk_spec is not None:
+            offset, length, is_last, capture_at = (chunk_spec.offset, chunk_spec.length, chunk_spec.is_last,
+                                                   chunk_spec.capture_at)
+            chunk = self._check_chunk(prefill_seq, chunk_spec.prompt, offset, length)
+        if capture_at is not None and not offset < capture_at < offset + length:
             raise ValueError(f"capture_at={capture_at} must lie strictly inside the prefill chunk "
                              f"[{offset}, {offset + length})")
         self._check_tokens(decode_tokens, "decode_tokens")
         for seq in decode_seqs:
             self._slot(seq)
-        grown = self._allocate_all(decode_seqs, prefill_seq, length)
-        moved = [(seq, seq.num_cached_tokens) for seq in decode_seqs + ([prefill_seq] if prefill_seq else [])]
+        grown = self.pools.allocate([(s, 1) for s in decode_seqs] + ([(prefill_seq, length)] if prefill_seq else []))
+        moved = [(seq, seq.num_cached_tokens) for seq in fb.sequences]
 
         prefill = None
         if prefill_seq is not None:
@@ -203,16 +129,24 @@ class ModelRunner:
         self.note_forward(len(chunk), prefill_seq.num_cached_tokens if prefill_seq is not None else 0,
                           [seq.num_cached_tokens + 1 for seq in decode_seqs], len(rows))
 
-        if capture is not None:
-            self.last_capture = self._capture_snapshot(capture, prefill_seq)
+        captured = self._capture_snapshot(capture, prefill_seq) if capture is not None else None
         if prefill_seq is not None:
             prefill_seq.num_cached_tokens += length
         for seq in decode_seqs:
             seq.num_cached_tokens += 1
-        if self.innerq is not None:
-            self.innerq.after_forward(moved)  # blocks that left the windows become 4/8-bit
+        if self.pools.innerq is not None:
+            self.pools.innerq.after_forward(moved)  # blocks that left the windows become 4/8-bit
         prefill_logits = logits[0] if prefill_seq is not None and is_last else None
-        return prefill_logits, logits[len(rows) - len(decode_seqs):]
+        return ForwardOutput(prefill_logits, logits[len(rows) - len(decode_seqs):], captured)
+
+    def prefill_chunk(self, seq: SequenceState, prompt: list[int], offset: int, length: int,
+                      is_last: bool) -> torch.Tensor | None:
+        """One plain chunk (a standalone caller's shorthand for ``forward``); logits [V] when ``is_last``."""
+        return self.forward(ForwardBatch.chunk(seq, prompt, offset, length, is_last)).prefill_logits
+
+    def decode(self, seqs: list[SequenceState], tokens: list[int]) -> torch.Tensor:
+        """One token per sequence (a standalone caller's shorthand for ``forward``); logits [B, V]."""
+        return self.forward(ForwardBatch.decode(seqs, tokens)).decode_logits
 
     def _may_compile(self, rows: int) -> bool:
         """A decode-only forward the compiled step serves: no fault hook, no MTP rows, a bucket that fits."""
@@ -220,12 +154,12 @@ class ModelRunner:
                 and not (self.mtp_keep_up and self.model.has_mtp_head))
 
     def _compiled_logits(self, decodes, grown) -> torch.Tensor:
-        """``mixed_forward``'s decode-only case through the compiled step; logits [B, V]; on an
+        """``forward``'s decode-only case through the compiled step; logits [B, V]; on an
         error the new blocks go back."""
         try:
             return self.compiled_decode(decodes)  # [B, V]
         except Exception:
-            self._undo_allocation(grown)
+            self.pools.undo(grown)
             raise
 
     def take_compile_events(self) -> list[dict]:
@@ -245,13 +179,13 @@ class ModelRunner:
         return cost
 
     # ---- helpers ----------------------------------------------------------------------------
-    def _call_model(self, batch: ForwardBatch, rows: list[int], grown: list[tuple[SequenceState, int]],
+    def _call_model(self, batch: PackedBatch, rows: list[int], grown: list[tuple[SequenceState, int]],
                     prefill_seq: SequenceState | None, decode_seqs: list[SequenceState]) -> torch.Tensor:
         """The model over ``batch``, logits [R, V] at ``rows``; on an error the new blocks go back."""
         # Every row wants logits (a decode-only forward): no index_select of the last layer's rows.
         row_ids = None if rows == list(range(batch.num_tokens)) else torch.tensor(rows, dtype=torch.long,
                                                                                     device=self.device)
-        self.kv_store.begin_forward(batch.num_prefill_tokens)  # InnerQ calibrates on prefill keys
+        self.pools.kv_store.begin_forward(batch.num_prefill_tokens)  # InnerQ calibrates on prefill keys
         try:
             if self.fault is None:
                 return self._model_and_mtp(batch, row_ids, prefill_seq, decode_seqs)
@@ -260,27 +194,27 @@ class ModelRunner:
             with self.fault.armed(self.model, kind, ids):
                 return self._model_and_mtp(batch, row_ids, prefill_seq, decode_seqs)
         except Exception:
-            self._undo_allocation(grown)
+            self.pools.undo(grown)
             raise
         finally:
-            self.kv_store.begin_forward(0)  # a forward built elsewhere (verify) is not a prefill
+            self.pools.kv_store.begin_forward(0)  # a forward built elsewhere (verify) is not a prefill
 
-    def _model_and_mtp(self, batch: ForwardBatch, row_ids: torch.Tensor | None, prefill_seq: SequenceState | None,
+    def _model_and_mtp(self, batch: PackedBatch, row_ids: torch.Tensor | None, prefill_seq: SequenceState | None,
                        decode_seqs: list[SequenceState]) -> torch.Tensor:
         if not (self.mtp_keep_up and self.model.has_mtp_head):
-            return self.model(batch, self.kv_store, self.ssm_pool, row_ids)
-        logits, hidden = self.model(batch, self.kv_store, self.ssm_pool, row_ids, return_hidden=True)
-        mtp_feed.keep_up(self.model, self.kv_store, self.kv_block_size, batch, hidden, prefill_seq, decode_seqs)
+            return self.model(batch, self.pools.kv_store, self.pools.ssm, row_ids)
+        logits, hidden = self.model(batch, self.pools.kv_store, self.pools.ssm, row_ids, return_hidden=True)
+        mtp_feed.keep_up(self.model, self.pools.kv_store, self.kv_block_size, batch, hidden, prefill_seq, decode_seqs)
         return logits
 
     # ---- drafts (speculative decoding) ---------------------------------------------------------
     def mtp_draft(self, seq: SequenceState, token: int, num_drafts: int) -> list[int]:
         """Greedy MTP drafts after ``token``; the blocks up to cached + num_drafts must be allocated."""
-        return mtp_feed.draft(self.model, self.kv_store, self.kv_block_size, seq, token, num_drafts)
+        return mtp_feed.draft(self.model, self.pools.kv_store, self.kv_block_size, seq, token, num_drafts)
 
     def mtp_keep_up_segment(self, seq: SequenceState, tokens: list[int], start: int, hidden: torch.Tensor) -> None:
         """MTP rows for a kept verify segment (``tokens`` at positions start.., main hidden [n, H])."""
-        mtp_feed.keep_up_segment(self.model, self.kv_store, self.kv_block_size, seq, tokens, start, hidden)
+        mtp_feed.keep_up_segment(self.model, self.pools.kv_store, self.kv_block_size, seq, tokens, start, hidden)
 
     @torch.inference_mode()
     def self_draft(self, seq: SequenceState, token: int, num_drafts: int, num_layers: int) -> list[int]:
@@ -290,54 +224,29 @@ class ModelRunner:
         and advance their SSM state, which is put back afterwards. The blocks up to
         cached + num_drafts must be allocated.
         """
-        snapshot = self.ssm_pool.snapshot(self._slot(seq))
+        snapshot = self.pools.ssm.snapshot(self._slot(seq))
         drafts: list[int] = []
         try:
             for step in range(num_drafts):
                 batch = build_batch(None, [(token, seq.num_cached_tokens + step, seq.block_table, seq.ssm_slot)],
                                     self.kv_block_size, self.device)
-                logits = self.model(batch, self.kv_store, self.ssm_pool, exit_after=num_layers)  # [1, V]
+                logits = self.model(batch, self.pools.kv_store, self.pools.ssm, exit_after=num_layers)  # [1, V]
                 token = int(logits[0].argmax())
                 drafts.append(token)
         finally:
-            self.ssm_pool.restore(snapshot, seq.ssm_slot)
+            self.pools.ssm.restore(snapshot, seq.ssm_slot)
         return drafts
 
     def _capture_snapshot(self, capture: SSMCapture, seq: SequenceState) -> SSMSnapshot:
         """Stack the per-layer captured states into the pool's snapshot layout."""
         slot = self._slot(seq)
-        conv = torch.zeros_like(self.ssm_pool.conv[:, slot])  # [L, conv_dim, K-1]
-        recurrent = torch.zeros_like(self.ssm_pool.recurrent[:, slot])  # [L, Hv, Dk, Dv]
+        conv = torch.zeros_like(self.pools.ssm.conv[:, slot])  # [L, conv_dim, K-1]
+        recurrent = torch.zeros_like(self.pools.ssm.recurrent[:, slot])  # [L, Hv, Dk, Dv]
         for index, state in capture.conv.items():
             conv[index] = state
         for index, state in capture.recurrent.items():
             recurrent[index] = state
         return SSMSnapshot(conv, recurrent)
-
-    def _allocate_all(self, decode_seqs, prefill_seq, length) -> list[tuple[SequenceState, int]]:
-        """Allocate every sequence's new blocks, or none of them (KVCacheExhausted leaves no trace).
-
-        Returns (sequence, blocks before) pairs for ``_undo_allocation``.
-        """
-        grown: list[tuple[SequenceState, int]] = []
-        try:
-            for seq, num_new in [(s, 1) for s in decode_seqs] + ([(prefill_seq, length)] if prefill_seq else []):
-                before = len(seq.block_table)
-                self.block_manager.allocate(seq, num_new)
-                grown.append((seq, before))
-        except Exception:
-            self._undo_allocation(grown)
-            raise
-        return grown
-
-    def _undo_allocation(self, grown: list[tuple[SequenceState, int]]) -> None:
-        for seq, before in grown:
-            self._shrink(seq, before)
-
-    def _shrink(self, seq: SequenceState, num_blocks: int) -> None:
-        """Undo an allocate: drop the blocks appended after ``num_blocks``."""
-        while len(seq.block_table) > num_blocks:
-            self.block_manager.decref(seq.block_table.pop())
 
     def _check_chunk(self, seq: SequenceState, prompt, offset: int, length: int) -> list[int]:
         if not prompt:

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import logging
 import os
-from collections import deque
 from typing import Any
 
 import torch
 
 from engine.replay import flips as replay_flips
+from engine.serve.driver import LeverTimeline, TickArrivals, TickCancels, TickDriver, run_arrivals
 from engine.serve.engine_setup import build_engine, checkpoint_dir_of, checkpoint_hash
 from engine.cache.kv_options import OPTION_KEYS
 from engine.model.fault import ForwardFault
@@ -136,51 +136,17 @@ def drive(sched, recorded: RecordedRun, flips: dict[str, Any], *, cut_at_tick: i
     ``cut_lengths``: requests the recording cut short end where it did (a flipped replay).
 
     Returns the submitted Request objects (in submission order) and the lever log."""
-    pending = deque(recorded.requests)
-    changes = deque(recorded.lever_changes)
+    arrivals = TickArrivals(recorded.requests, lambda r: r.arrival_tick)
     # API clients that went away: cancelled again at the tick boundary where the engine cancelled them.
-    disconnects = deque(sorted((r for r in recorded.requests if r.status == ev.REQ_CANCELLED and
-                                r.error == f"{CANCELLED_PREFIX}{CLIENT_DISCONNECTED}"), key=lambda r: r.tick))
-    lever_log: list[dict] = []
-    submitted: list[Any] = []
-
-    def submit(record: ev.RequestRecord) -> None:
-        submitted.append(sched.submit(record.request_id, list(record.prompt_tokens), dict(record.sampling),
-                                      conversation_id=record.conversation_id, features=record.features or None,
-                                      grammar=record.grammar, grammar_ready_tick=record.grammar_ready_tick))
-
-    def arrivals_and_levers() -> None:
-        while pending and pending[0].arrival_tick <= sched.tick:
-            submit(pending.popleft())
-        while disconnects and disconnects[0].tick <= sched.tick and not flips:
-            sched.cancel(disconnects.popleft().request_id, CLIENT_DISCONNECTED)
-        due: dict[str, Any] = {}
-        while changes and changes[0].tick <= sched.tick:
-            change = changes.popleft()
-            due[change.name] = change.new
-        if due:
-            values = sched.levers.replace(**due).replace(**flips)  # a flip wins over the timeline
-            applied = sched.apply_levers(values, source="replay")
-            if applied:
-                lever_log.append({"tick": sched.tick, "changes": {k: v[1] for k, v in applied.items()}})
-
-    while cut_at_tick is None or sched.tick < cut_at_tick:
-        arrivals_and_levers()
-        if cut_lengths:
-            replay_flips.cut_where_recorded(sched, cut_lengths)
-        if sched.has_work and sched.step():
-            continue
-        if not pending:
-            if not sched.has_work:
-                break
-            # Work that cannot run (e.g. a head request waiting for blocks nobody frees)
-            # and nothing left to arrive: serve would spin here until stopped.
-            break
-        # Idle: serve sleeps until the next arrival, and idle time costs no tick, so
-        # the next arrival was recorded at this tick (later only when a flip changed pace).
-        submit(pending.popleft())
-    arrivals_and_levers()  # arrivals and levers logged at the final tick, never stepped
+    gone = sorted((r for r in recorded.requests if r.status == ev.REQ_CANCELLED and
+                   r.error == f"{CANCELLED_PREFIX}{CLIENT_DISCONNECTED}"), key=lambda r: r.tick)
+    disconnects = [] if flips else [(r.tick, r.request_id) for r in gone]
+    levers = LeverTimeline(recorded.lever_changes, flips)
+    cut = [lambda s: replay_flips.cut_where_recorded(s, cut_lengths)] if cut_lengths else []
+    driver = TickDriver(sched, [arrivals, TickCancels(disconnects, CLIENT_DISCONNECTED), levers], before_step=cut)
+    # Idle spells cost no tick: serve slept until the next arrival, so it was recorded at this tick
+    # (later only when a flip changed pace).
+    run_arrivals(driver, arrivals, cut_at_tick=cut_at_tick)
+    driver.boundary()  # arrivals and levers logged at the final tick, never stepped
     sched.stop()
-    return submitted, lever_log
-
-
+    return arrivals.submitted, levers.log

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.grammar.spec import GrammarSpec
+from engine.scheduler.context import ModelTraits
 from engine.scheduler.request_features import RequestFeatures
 from engine.scheduler.request import Request
 from engine.scheduler.sampling import SamplingParams
@@ -14,6 +15,20 @@ from telemetry import events as ev
 
 class RequestRejected(ValueError):
     """A request that can never run; the message names the offending field."""
+
+
+def check_features(features: RequestFeatures | dict | None, traits: ModelTraits) -> RequestFeatures:
+    """The request's features, validated against what this model can do."""
+    try:
+        feats = features if isinstance(features, RequestFeatures) else RequestFeatures.from_dict(features)
+        feats.validate()
+    except (TypeError, ValueError) as exc:
+        raise RequestRejected(str(exc)) from None
+    if feats.stop_strings and traits.detokenize is None:
+        raise RequestRejected("features.stop_strings: the checkpoint has no tokenizer to read text with")
+    if feats.require_tool_call and traits.tool_call_start_id is None:
+        raise RequestRejected("features.require_tool_call: the model has no tool-call start token")
+    return feats
 
 
 def parse_sampling(raw: dict[str, Any] | SamplingParams, vocab_size: int) -> SamplingParams:

@@ -14,7 +14,7 @@ completes that one request with no token; nothing else stops. Here:
 
 Every failure is one ``forward_failed`` event row (what failed, which requests
 it ended, which it restored) and one log line; ending a request returns its KV
-blocks and SSM slot to the pools (``Scheduler.finish``). Under expert parallelism a
+blocks and SSM slot to the pools (``endings.finish``). Under expert parallelism a
 dead or hung rank (``RankFailure``) is let through: every rank runs every forward,
 so the whole run ends (``serve`` marks it failed).
 """
@@ -23,15 +23,14 @@ from __future__ import annotations
 import logging
 import traceback
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
+from engine.cache.pools import CachePools
 from engine.model.errors import RankFailure
+from engine.scheduler.context import TickContext
+from engine.scheduler.endings import finish
 from engine.scheduler.request import Request
 from engine.scheduler.streams import EVENT_PREFILL_DONE, STREAM_DEFAULT, STREAM_PREFILL
 from telemetry import events as ev
-
-if TYPE_CHECKING:
-    from engine.scheduler.loop import Scheduler
 
 log = logging.getLogger("chunkscope.scheduler")
 
@@ -54,8 +53,8 @@ def _where(exc: BaseException) -> str | None:
     return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else None
 
 
-def end_requests(sched: Scheduler, requests: Sequence[Request], exc: BaseException, *, stage: str, path: str,
-                 restored: Sequence[Request] = ()) -> list[Request]:
+def end_requests(ctx: TickContext, pools: CachePools, requests: Sequence[Request], exc: BaseException, *,
+                 stage: str, path: str, restored: Sequence[Request] = ()) -> list[Request]:
     """End the still-running ``requests`` as ``error`` naming ``exc``; one event row, one log line.
 
     ``restored``: requests of the same forward whose state was put back (they go on).
@@ -67,26 +66,24 @@ def end_requests(sched: Scheduler, requests: Sequence[Request], exc: BaseExcepti
     message = error_text(stage, exc)
     ended = [r for r in requests if r.finished_ns is None]
     for request in ended:
-        sched.finish(request, "error", message)
+        finish(ctx, pools, request, "error", message)
     where = _where(exc)
-    sched.emit(ev.GenericEvent(
-        tick=sched.tick, t_ns=sched.now_ns(), kind=ev.EVENT_FORWARD_FAILED,
-        request_id=ended[0].request_id if ended else None,
-        detail={"stage": stage, "path": path, "error_type": type(exc).__name__, "message": str(exc),
-                "where": where, "ended_request_ids": [r.request_id for r in ended],
-                "restored_request_ids": [r.request_id for r in restored]}))
+    ctx.event(ev.EVENT_FORWARD_FAILED, ended[0].request_id if ended else None,
+              {"stage": stage, "path": path, "error_type": type(exc).__name__, "message": str(exc), "where": where,
+               "ended_request_ids": [r.request_id for r in ended],
+               "restored_request_ids": [r.request_id for r in restored]})
     log.error("tick %d: %s failed (%s: %s at %s); ended request(s) %s%s; the engine serves on",
-              sched.tick, stage, type(exc).__name__, exc, where, [r.request_id for r in ended],
+              ctx.tick, stage, type(exc).__name__, exc, where, [r.request_id for r in ended],
               f", restored {[r.request_id for r in restored]}" if restored else "")
     return ended
 
 
-def end_prefill(sched: Scheduler, req: Request, exc: BaseException, *, stage: str, path: str,
+def end_prefill(ctx: TickContext, pools: CachePools, req: Request, exc: BaseException, *, stage: str, path: str,
                 restored: Sequence[Request] = ()) -> None:
     """End the prefilling request after its chunk failed.
 
     Work the failed chunk left on the prefill stream must finish before the default
     stream touches the blocks and the slot this frees.
     """
-    sched.streams.wait_for(STREAM_DEFAULT, STREAM_PREFILL, EVENT_PREFILL_DONE)
-    end_requests(sched, [req], exc, stage=stage, path=path, restored=restored)
+    ctx.streams.wait_for(STREAM_DEFAULT, STREAM_PREFILL, EVENT_PREFILL_DONE)
+    end_requests(ctx, pools, [req], exc, stage=stage, path=path, restored=restored)

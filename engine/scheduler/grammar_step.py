@@ -2,7 +2,7 @@
 
 - At submit a request's grammar goes to the compile worker (``engine/grammar/compiler.py``);
   the request waits in the queue, and is not admitted, until its compile is done
-  (``poll_waiting``, at each tick boundary). A compile error ends it as rejected, naming
+  (``take_compiled``, polled by the admit stage). A compile error ends it as rejected, naming
   the problem. The tick at which the grammar was seen ready is recorded with the request; a
   replay waits for the compile until that same tick, so its decisions match.
 - Every sampling site (decode, mixed decode rows, first token, speculative rows) passes its
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -23,18 +23,16 @@ from engine.grammar import masks
 from engine.grammar.compiler import GrammarCompileError
 from engine.grammar.spec import JSON_KINDS, GrammarSpec, GrammarSpecError
 from engine.scheduler.admission import RequestRejected
+from engine.scheduler.context import TickContext
 from engine.scheduler.request import Request
-from telemetry import events as ev
-
-if TYPE_CHECKING:
-    from engine.scheduler.loop import Scheduler
 
 REASON_GRAMMAR_DONE = "stop"   # a complete grammar ends the reply like a stop sequence (OpenAI's word)
 
 
-def attach(sched: Scheduler, request: Request, raw: Any, ready_tick: int | None) -> None:
-    """Check ``raw`` and start compiling it; RequestRejected names the problem."""
-    if sched.grammars is None:
+def attach(grammars, request: Request, raw: Any, ready_tick: int | None) -> None:
+    """Check ``raw`` and start compiling it on ``grammars`` (the compile worker, None without a
+    tokenizer); RequestRejected names the problem."""
+    if grammars is None:
         raise RequestRejected("grammar: this engine has no grammar support (the model has no tokenizer.json)")
     try:
         spec = GrammarSpec.parse(raw)
@@ -43,7 +41,7 @@ def attach(sched: Scheduler, request: Request, raw: Any, ready_tick: int | None)
     request.grammar_spec = spec
     request.has_grammar = True
     request.grammar_ready_tick = ready_tick
-    request.grammar_future = sched.grammars.submit(spec)
+    request.grammar_future = grammars.submit(spec)
 
 
 def is_ready(request: Request) -> bool:
@@ -51,58 +49,48 @@ def is_ready(request: Request) -> bool:
     return request.grammar_spec is None or request.grammar is not None
 
 
-def poll_waiting(sched: Scheduler) -> None:
-    """Give each waiting request whose compile is done its matcher; end those whose compile failed."""
-    for request in [r for r in sched.waiting if r.grammar_spec is not None and r.grammar is None]:
-        future = request.grammar_future
-        if request.grammar_ready_tick is not None:
-            # Replaying: ready exactly at the recorded tick (waiting for the worker if it lags).
-            if sched.tick < request.grammar_ready_tick:
-                continue
-        elif not future.done():
-            continue
-        try:
-            compiled = future.result()
-        except GrammarCompileError as exc:
-            _end_compile_error(sched, request, str(exc))
-            continue
-        except Exception as exc:   # llguidance raising on a pathological grammar: the request's fault
-            _end_compile_error(sched, request, f"{request.grammar_spec.kind} grammar: {exc}")
-            continue
-        request.grammar = sched.grammars.new_state(compiled)
-        request.grammar_ready_tick = sched.tick
-        request.grammar_future = None
-        sched.emit_request(request, "grammar_ready", f"{compiled.spec.kind}, compiled in "
-                                                     f"{compiled.compile_ns / 1e6:.2f} ms")
-
-
-def _end_compile_error(sched: Scheduler, request: Request, message: str) -> None:
-    sched.waiting.remove(request)
-    request.grammar_ready_tick = sched.tick
+def take_compiled(ctx: TickContext, request: Request) -> tuple[bool, str | None]:
+    """A waiting request's compile, if it is done: (done, error). Done without an error gives the
+    request its matcher; a replay counts it done exactly at the recorded tick (waiting for the
+    worker if it lags)."""
+    future = request.grammar_future
+    if request.grammar_ready_tick is not None:
+        if ctx.tick < request.grammar_ready_tick:
+            return False, None
+    elif not future.done():
+        return False, None
+    request.grammar_ready_tick = ctx.tick
     request.grammar_future = None
-    sched.finish(request, "error", f"grammar: {message}", status=ev.REQ_REJECTED)
-    sched.mark_done([request])
+    try:
+        compiled = future.result()
+    except GrammarCompileError as exc:
+        return True, str(exc)
+    except Exception as exc:   # llguidance raising on a pathological grammar: the request's fault
+        return True, f"{request.grammar_spec.kind} grammar: {exc}"
+    request.grammar = ctx.grammars.new_state(compiled)
+    ctx.emit_request(request, "grammar_ready", f"{compiled.spec.kind}, compiled in {compiled.compile_ns / 1e6:.2f} ms")
+    return True, None
 
 
-def constrain(sched: Scheduler, batch: list[Request], logits: torch.Tensor) -> torch.Tensor:
+def constrain(ctx: TickContext, batch: list[Request], logits: torch.Tensor) -> torch.Tensor:
     """``logits`` [B, V] with each constrained row masked; the tick's grammar counters grow."""
     logits, stats = masks.constrain(logits, [r.grammar for r in batch])
-    sched.grammar_stats.num_rows += stats.num_rows
-    sched.grammar_stats.mask_ns += stats.mask_ns
+    ctx.grammar_stats.num_rows += stats.num_rows
+    ctx.grammar_stats.mask_ns += stats.mask_ns
     return logits
 
 
-def first_token_allowed(sched: Scheduler, request: Request) -> list[int] | None:
+def first_token_allowed(ctx: TickContext, request: Request) -> list[int] | None:
     """Token ids the grammar allows at token 0, or None when it does not constrain token 0."""
     state = request.grammar
     if state is None or not state.is_active:
         return None
     start = time.perf_counter_ns()
     mask = state.allowed_mask()
-    sched.grammar_stats.mask_ns += time.perf_counter_ns() - start
+    ctx.grammar_stats.mask_ns += time.perf_counter_ns() - start
     if mask is None:
         return None
-    sched.grammar_stats.num_rows += 1
+    ctx.grammar_stats.num_rows += 1
     return torch.nonzero(mask).flatten().tolist()
 
 

@@ -5,43 +5,41 @@ accepted token) do not import each other.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from engine.cache.pools import CachePools
 from engine.scheduler import grammar_step
-from engine.scheduler.request_features import find_stop_string, stop_string_window
 from engine.scheduler.adaptive import advance
+from engine.scheduler.context import TickContext
+from engine.scheduler.endings import finish
 from engine.scheduler.request import Request
+from engine.scheduler.request_features import find_stop_string, stop_string_window
 from telemetry import events as ev
 
-if TYPE_CHECKING:
-    from engine.scheduler.loop import Scheduler
 
-
-def append_token(sched: Scheduler, request: Request, token: int) -> None:
+def append_token(ctx: TickContext, pools: CachePools, request: Request, token: int) -> None:
     """Record one generated token and end the request when a stop rule fires."""
+    traits = ctx.traits
     index = request.num_generated
     request.output_tokens.append(token)
     request.last_token = token
-    request.region = advance(request.region, token, sched.structure_tokens)
-    t_ns = sched.now_ns()
-    sched.emit(ev.TokenEvent(tick=sched.tick, t_ns=t_ns, request_id=request.request_id,
-                             index=index, token_id=token))
+    request.region = advance(request.region, token, traits.structure_tokens)
+    t_ns = ctx.now_ns()
+    ctx.emit(ev.TokenEvent(tick=ctx.tick, t_ns=t_ns, request_id=request.request_id, index=index, token_id=token))
     if index == 0:
         request.first_token_ns = t_ns
-        sched.emit_request(request, "first_token")
+        ctx.emit_request(request, "first_token")
     grammar_reason, grammar_error = grammar_step.after_token(request, token)
     if grammar_error is not None:
-        sched.finish(request, "error", grammar_error)
+        finish(ctx, pools, request, "error", grammar_error)
         return
-    reason = finish_reason(request, token, sched.eos_ids, sched.max_context)
-    if reason is None and request.features.stop_strings and sched.detokenize is not None:
-        reason = _stop_string_reason(request, sched.detokenize)
+    reason = finish_reason(request, token, traits.eos_ids, traits.max_context)
+    if reason is None and request.features.stop_strings and traits.detokenize is not None:
+        reason = _stop_string_reason(request, traits.detokenize)
     if grammar_reason is not None:
         # Complete (the last allowed token, or EOS where the grammar accepts): "stop", never
         # "length"; a grammar reply that ends any other way is incomplete.
         reason = grammar_reason
     if reason is not None:
-        sched.finish(request, reason)
+        finish(ctx, pools, request, reason)
 
 
 def _stop_string_reason(request: Request, detokenize) -> str | None:
@@ -62,7 +60,7 @@ def _stop_string_reason(request: Request, detokenize) -> str | None:
     return "stop"
 
 
-def finish_reason(request: Request, token: int, eos_ids: set[int], max_context: int) -> str | None:
+def finish_reason(request: Request, token: int, eos_ids: frozenset[int] | set[int], max_context: int) -> str | None:
     """eos / stop / length, or None to keep decoding (EOS only counts once min_tokens is met)."""
     params = request.params
     if token in eos_ids and request.num_generated >= params.min_tokens:

@@ -50,7 +50,7 @@ class Request:
     grammar_ready_tick: int | None = None   # the tick it was seen compiled (a replay waits for it)
     grammar_valid: bool | None = None       # the ended output is a complete sentence of the grammar
     pending_drafts: list[int] = field(default_factory=list)
-    # Left by the last speculative step for the next one (engine/spec/spec_step.py): the
+    # Left by the last speculative step for the next one (engine/scheduler/spec_step.py): the
     # cached-token count the drafts were proposed at (made on the secondary stream). Stale
     # once any other forward advances the sequence.
     pending_drafts_at: int | None = None

@@ -42,12 +42,12 @@ def blocker(needs: HeadNeeds) -> str | None:
             f"{min(needs.num_blocks, needs.cap or needs.num_blocks)} usable ({needs.num_used} in use)")
 
 
-def head_needs(waiting, runner: Any, max_prefill_tokens: int) -> HeadNeeds | None:
+def head_needs(waiting, pools: Any, max_prefill_tokens: int) -> HeadNeeds | None:
     """The head request's needs, or None when the queue is empty."""
     if not waiting:
         return None
     head = waiting[0]
-    bm, pool = runner.block_manager, runner.ssm_pool
+    bm, pool = pools.blocks, pools.ssm
     chunk = min(head.prompt_len, max_prefill_tokens)
     return HeadNeeds(request_id=head.request_id, chunk_tokens=chunk, blocks_needed=bm.num_blocks_for(chunk),
                      num_free=bm.num_free, num_used=bm.num_used, num_blocks=bm.num_blocks, cap=bm.cap,

@@ -6,7 +6,6 @@ import json
 import logging
 import platform
 import sqlite3
-import sys
 import time
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -22,6 +21,7 @@ from engine.model.embedded import EMBEDDED_MODELS, checkpoint_dir_of  # noqa: F4
 from engine.model.fault import ForwardFault
 from engine.model.loader import load_model
 from engine.model import tiny
+from engine.model.roofline import MachineRates, measure_rates
 from engine.model.runner import ModelRunner
 from engine.scheduler.loop import Scheduler
 from telemetry.events import RunStarted
@@ -30,6 +30,9 @@ from telemetry.levers import LeverValues
 log = logging.getLogger("chunkscope.compile")
 
 BLOCK_SIZE = 16
+# The bandwidth probe's buffer: larger than a server CPU's last-level cache, small enough to be
+# quick (~0.1 s) at start.
+ROOFLINE_STREAM_MIB = 128
 VERSIONED_PACKAGES = ("torch", "streamlit", "plotly", "watchdog", "sqlite-utils", "safetensors", "tokenizers")
 
 
@@ -43,6 +46,7 @@ class EngineSetup:
     runner: ModelRunner
     scheduler: Scheduler
     engine_config: dict[str, Any] = field(default_factory=dict)
+    roofline_s: float = 0.0          # how long measuring this machine's roofline rates took (serve)
 
     @property
     def special_ids(self) -> set[int]:
@@ -56,13 +60,16 @@ def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: Lev
                  seed: int = 0, device: str | None = None, dtype: torch.dtype | str = torch.float32,
                  emit=None, prefix_cache: bool = True, threads: int | None = None,
                  fault: ForwardFault | None = None, kv_cache: dict[str, Any] | None = None,
-                 ep_size: int = 1, compile: str = "off", compile_warmup: bool = True) -> EngineSetup:
+                 ep_size: int = 1, compile: str = "off", compile_warmup: bool = True,
+                 measure_roofline: bool = False) -> EngineSetup:
     """``fault``: the test-only forward fault hook (``engine/model/fault.py``), recorded in the config.
     ``kv_cache``: ``kv_cache_options`` (format, byte budget, InnerQ windows), recorded in the config.
     ``dtype``: a torch dtype, or a ``--dtype`` choice ('auto' picks by the CPU's flags, cpu_features.py).
     ``ep_size`` > 1: load rank 0's share of a MoE model's experts (``engine/distributed`` starts the ranks).
     ``compile``: --compile auto / on / off (``compiled_decode.resolve_compile``); with ``compile_warmup``
     every batch bucket up to ``ssm_slots`` rows compiles here, before the run starts, else on first use.
+    ``measure_roofline``: time this machine's GEMM rate and read bandwidth once (``serve``), so every tick
+    records its forwards' roofline time; the rates go in the config (``roofline_rates``, ``log_roofline``).
     """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype_choice = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
@@ -80,28 +87,51 @@ def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: Lev
     compile_settings = resolve_compile(compile, device) if ep_size == 1 else None
     if compile_settings is not None:
         use_persistent_cache(tiny.cache_root() / "inductor")
-    runner = ModelRunner(model, num_kv_blocks=kv_blocks, num_ssm_slots=ssm_slots,
-                         block_size=BLOCK_SIZE, device=device, dtype=dtype, fault=fault,
-                         kv_quant=kv_quant_config(kv_cache), kv_budget_bytes=budget_bytes(kv_cache),
-                         compile=compile_settings)
-    scheduler = Scheduler(runner, levers, emit=emit, run_seed=seed, prefix_cache=prefix_cache)
+    runner = ModelRunner.build(model, num_kv_blocks=kv_blocks, num_ssm_slots=ssm_slots,
+                               block_size=BLOCK_SIZE, device=device, dtype=dtype, fault=fault,
+                               kv_quant=kv_quant_config(kv_cache), kv_budget_bytes=budget_bytes(kv_cache),
+                               compile=compile_settings)
+    grammars = None
     if tokenizer is not None:
-        scheduler.detokenize = tokenizer.decode
         from engine.grammar.compiler import GrammarCompiler
-        scheduler.grammars = GrammarCompiler.for_model(model, tokenizer, runner.vocab_size)
+        grammars = GrammarCompiler.for_model(model, tokenizer, runner.vocab_size)
+    rates, roofline_s = _measure_roofline(dtype) if measure_roofline else (None, 0.0)
+    scheduler = Scheduler(runner, levers, emit=emit, run_seed=seed, prefix_cache=prefix_cache,
+                          detokenize=tokenizer.decode if tokenizer is not None else None, grammars=grammars,
+                          machine_rates=rates)
     engine_config = {"kv_blocks": kv_blocks, "block_size": BLOCK_SIZE, "ssm_slots": ssm_slots,
                      "device": device, "dtype": str(dtype).removeprefix("torch."), "seed": seed,
                      "dtype_choice": dtype_choice, "cpu_isa": isa_summary(cpu_flags()),
                      "prefix_cache": prefix_cache, "threads": torch.get_num_threads(),
                      **{k: v for k, v in kv_cache.items() if v is not None},
-                     "kv_cache_blocks": runner.block_manager.num_blocks, "kv_cache_bytes": runner.kv_bytes_total,
+                     "kv_cache_blocks": runner.pools.blocks.num_blocks, "kv_cache_bytes": runner.pools.kv_bytes_total,
                      # Paged K/V layers (full attention + the MTP module's) and their bytes.
-                     "kv_layers": len(model.kv_layer_ids), "kv_bytes": runner.kv_store.num_bytes,
+                     "kv_layers": len(model.kv_layer_ids), "kv_bytes": runner.pools.kv_store.num_bytes,
                      "mtp_layers": len(model.mtp.layers) if model.has_mtp_head else 0}
     engine_config["compile"] = _compile_description(runner, compile, compile_settings, ssm_slots, compile_warmup)
     if fault is not None:
         engine_config["fault_forward"] = fault.describe()
-    return EngineSetup(model_name, directory, model, config, tokenizer, runner, scheduler, engine_config)
+    if rates is not None:
+        engine_config["roofline_rates"] = {"gemm_gflop_s": round(rates.flops_per_s / 1e9, 2),
+                                           "read_gb_s": round(rates.bytes_per_s / 1e9, 2)}
+    return EngineSetup(model_name, directory, model, config, tokenizer, runner, scheduler, engine_config, roofline_s)
+
+
+def _measure_roofline(dtype: torch.dtype) -> tuple[MachineRates, float]:
+    """This machine's GEMM rate and read bandwidth, timed once (``roofline.measure_rates``), and the seconds
+    that took."""
+    started = time.perf_counter()
+    rates = measure_rates(dtype, stream_mib=ROOFLINE_STREAM_MIB)
+    return rates, time.perf_counter() - started
+
+
+def log_roofline(setup: EngineSetup, log: logging.Logger) -> None:
+    """One line with the rates ``measure_roofline`` found (logged once the run is known to start, so a
+    bad workload still fails in one line)."""
+    rates = setup.engine_config.get("roofline_rates")
+    if rates is not None:
+        log.info("roofline rates: square GEMM %.1f GFLOP/s, read %.1f GB/s (measured in %.2f s)",
+                 rates["gemm_gflop_s"], rates["read_gb_s"], setup.roofline_s)
 
 
 def _compile_description(runner: ModelRunner, choice: str, settings, max_rows: int, warm_up: bool) -> dict:
@@ -111,7 +141,7 @@ def _compile_description(runner: ModelRunner, choice: str, settings, max_rows: i
     if settings is not None:
         described.update(settings.describe())
     if settings is not None and compiled is None:
-        described["eager_because"] = ("an InnerQ KV cache calibrates in Python" if runner.innerq is not None
+        described["eager_because"] = ("an InnerQ KV cache calibrates in Python" if runner.pools.innerq is not None
                                       else "this model's decode is not compiled (expert routing)")
     if compiled is not None and warm_up:
         seconds = compiled.warm_up(max_rows)

@@ -21,11 +21,11 @@ import torch
 from engine.distributed import launch, serve_ranks
 from engine.distributed.worker import EXIT_RANK_FAILURE
 from engine.api.launch import start_api
-from engine.serve.engine_setup import EngineSetup, build_engine, run_started_row
+from engine.serve.driver import ApiInbox, LeverFile, TickDriver, TimedArrivals, submit_spec
+from engine.serve.engine_setup import EngineSetup, build_engine, log_roofline, run_started_row
 from engine.cli.kv_cache_args import kv_cache_options
 from engine.serve.lever_watch import LeverWatcher
 from engine.model.fault import ENV_VAR as FAULT_ENV_VAR, ForwardFault
-from engine.model.roofline import measure_rates
 from engine.serve.run_dir_lock import lock_run_dir
 from engine.serve.stall_watch import STALL_WAIT_S, StallWatch
 from engine.model.errors import RankFailure
@@ -39,9 +39,6 @@ from telemetry import events as ev
 
 log = logging.getLogger("chunkscope.serve")
 IDLE_SLEEP_S = 0.02
-# The bandwidth probe's buffer: larger than a server CPU's last-level cache, small enough to be
-# quick (~0.1 s) at start.
-ROOFLINE_STREAM_MIB = 128
 DONE_KEPT = 1024  # ended requests held in memory by an endless server (their rows are in SQLite)
 
 
@@ -66,10 +63,10 @@ def run(args: argparse.Namespace) -> int:
     setup = build_engine(args.model, kv_blocks=args.kv_blocks, ssm_slots=args.ssm_slots,
                          levers=base_levers, seed=args.seed, prefix_cache=args.prefix_cache,
                          threads=args.threads, fault=fault, kv_cache=kv_cache_options(args), dtype=args.dtype,
-                         ep_size=args.ep, compile=args.compile)
+                         ep_size=args.ep, compile=args.compile, measure_roofline=True)
     ep_run = serve_ranks.start(args, setup, from_torchrun, run_dir) if args.ep > 1 else None
     feed = WorkloadFeed.from_args(args, setup)
-    _measure_roofline(setup)  # after the workload is known good: a bad one fails at once
+    log_roofline(setup, log)   # after the workload is known good: a bad one fails in one line
     writer, telemetry_error = None, None
     api = start_api(args, setup, lambda: writer.num_dropped if writer is not None else 0)
     if api is not None:
@@ -87,42 +84,41 @@ def run(args: argparse.Namespace) -> int:
     stop = _install_stop_handlers()
     status, exit_code = "finished", 0
     t_start = time.monotonic()
+
+    def heartbeat(sched, force: bool = False) -> None:
+        status_file.maybe_write(_status_fields(sched, writer, telemetry_error, "serving", stall), force=force)
+
+    housekeeping = [lambda s: _report_writer_health(s, writer), heartbeat]
+    if ep_run is not None:   # idle or stalled: the ranks hear from rank 0 before their timeout
+        housekeeping.insert(0, lambda _s: ep_run.leader.keepalive())
+    arrivals = TimedArrivals(feed, lambda: time.monotonic() - t_start, on_submit=_submit,
+                             new_request_id=api.new_request_id if api is not None else None)
+    driver = TickDriver(sched, ([ApiInbox(api)] if api is not None else []) + [arrivals, LeverFile(watcher, log)],
+                        before_step=housekeeping, stall=stall)
     log.info("serving %s, run dir %s, workload %s", args.model, run_dir, feed.describe().get("kind"))
     try:
         while not stop["now"]:
             elapsed = time.monotonic() - t_start
             if args.duration is not None and elapsed >= args.duration:
                 break
-            if api is not None:
-                api.before_tick(sched)
-            for spec in feed.due(elapsed):
-                if api is not None:
-                    spec.request_id = api.new_request_id()
-                _submit(sched, spec)
-            _poll_levers(sched, watcher)
-            if ep_run is not None:
-                ep_run.leader.keepalive()  # idle or stalled: the ranks hear from rank 0 before their timeout
-            _report_writer_health(sched, writer)
-            status_file.maybe_write(_status_fields(sched, writer, telemetry_error, "serving", stall))
-            if sched.has_work:
-                was_blocked = stall.blocker
-                if stall.after_step(sched, sched.step()):
-                    if stall.blocker != was_blocked:  # a new blocker reaches the heartbeat at once
-                        status_file.maybe_write(_status_fields(sched, writer, telemetry_error, "serving", stall),
-                                                force=True)
-                    # Nothing can run until a lever changes, a request arrives or a stop comes.
-                    wait_s = min(STALL_WAIT_S, max(0.0, feed.next_arrival_s() - elapsed))
-                    if api is not None:   # an API request (or a cancel that frees room) may end the stall too
-                        api.wait(min(wait_s, IDLE_SLEEP_S))
-                    else:
-                        watcher.wait_for_change(wait_s)
+            outcome = driver.tick()
+            next_arrival_s = max(0.0, feed.next_arrival_s() - elapsed)
+            if outcome.stalled:
+                if outcome.blocker_changed:   # a new blocker reaches the heartbeat at once
+                    heartbeat(sched, force=True)
+                # Nothing can run until a lever changes, a request arrives or a stop comes.
+                wait_s = min(STALL_WAIT_S, next_arrival_s)
+                if api is not None:   # an API request (or a cancel that frees room) may end the stall too
+                    api.wait(min(wait_s, IDLE_SLEEP_S))
+                else:
+                    watcher.wait_for_change(wait_s)
+            elif outcome.had_work:
+                continue
             elif feed.is_exhausted and api is None:
                 break
             else:
-                idle_s = min(IDLE_SLEEP_S, max(0.0, feed.next_arrival_s() - elapsed))
+                idle_s = min(IDLE_SLEEP_S, next_arrival_s)
                 api.wait(idle_s) if api is not None else time.sleep(idle_s)
-            if api is not None:
-                api.after_tick(sched)
     except RankFailure as exc:  # a dead or hung rank ends the whole run, never only its requests
         log.error("run failed at tick %d: %s", sched.tick, exc)
         status, exit_code = "failed", EXIT_RANK_FAILURE
@@ -145,17 +141,6 @@ def run(args: argparse.Namespace) -> int:
         if lock is not None:
             lock.close()
     return exit_code
-
-
-def _measure_roofline(setup: EngineSetup) -> None:
-    """Time this machine's GEMM rate and read bandwidth once, so every tick records its roofline."""
-    started = time.perf_counter()
-    rates = measure_rates(setup.runner.dtype, stream_mib=ROOFLINE_STREAM_MIB)
-    setup.scheduler.machine_rates = rates
-    setup.engine_config["roofline_rates"] = {"gemm_gflop_s": round(rates.flops_per_s / 1e9, 2),
-                                             "read_gb_s": round(rates.bytes_per_s / 1e9, 2)}
-    log.info("roofline rates: square GEMM %.1f GFLOP/s, read %.1f GB/s (measured in %.2f s)",
-             rates.flops_per_s / 1e9, rates.bytes_per_s / 1e9, time.perf_counter() - started)
 
 
 def _open_telemetry(db_path: Path, setup: EngineSetup, args, feed) -> tuple[TelemetryWriter | None, str | None]:
@@ -200,22 +185,11 @@ def _status_fields(sched, writer, telemetry_error: str | None, state: str, stall
     }
 
 
-def _submit(sched, spec: RequestSpec) -> None:
-    request = sched.submit(spec.request_id, spec.prompt_tokens, spec.sampling,
-                           conversation_id=spec.conversation_id, features=spec.features, grammar=spec.grammar)
+def _submit(sched, spec: RequestSpec):
+    request = submit_spec(sched, spec)
     if request.status == ev.REQ_REJECTED:
         log.warning("request %d rejected: %s", spec.request_id, request.error)
-
-
-def _poll_levers(sched, watcher: LeverWatcher) -> None:
-    update = watcher.poll(sched.levers)
-    if update is None:
-        return
-    if update.error is not None:
-        sched.reject_levers(update.error, source="file")
-    else:
-        changes = sched.apply_levers(update.values, source="file", version=update.version)
-        log.info("levers applied at tick %d: %s", sched.tick, changes)
+    return request
 
 
 def _log_env_levers(sched) -> None:

@@ -28,7 +28,7 @@ class StallWatch:
         """What keeps the head of the queue waiting now (also while others run), or None."""
         if sched.prefilling is not None:
             return None
-        needs = head_needs(sched.waiting, sched.runner, sched.levers.max_prefill_tokens)
+        needs = head_needs(sched.waiting, sched.pools, sched.levers.max_prefill_tokens)
         return blocker(needs) if needs is not None else None
 
     def after_step(self, sched, progressed: bool) -> bool:
@@ -54,7 +54,7 @@ class StallWatch:
 
     def status_fields(self, sched) -> dict:
         """The heartbeat's picture of the caches and the queue head."""
-        bm, pool = sched.runner.block_manager, sched.runner.ssm_pool
+        bm, pool = sched.pools.blocks, sched.pools.ssm
         return {"is_blocked": self.blocker is not None,
                 "blocker": self.blocker or self.head_blocker(sched),
                 "head_request_id": sched.waiting[0].request_id if sched.waiting else None,

@@ -6,7 +6,7 @@
 - ``self``: an early exit of the model itself after ``self_draft_layers`` layers, then the
   final norm and LM head, one token at a time (``ModelRunner.self_draft``).
 Model drafts are greedy (the argmax of the draft head): a point-mass draft, which the exact
-acceptance rule in spec_step accepts with the request's own sampler.
+acceptance rule in ``engine/scheduler/spec_step.py`` accepts with the request's own sampler.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def propose(kind: str, runner: ModelRunner, seq, history: list[int], num_drafts:
     if kind == SPEC_NGRAM:
         return propose_drafts(history, max_ngram=MAX_NGRAM, min_ngram=MIN_NGRAM, num_drafts=num_drafts)
     try:
-        runner.block_manager.allocate(seq, num_drafts + 1)
+        runner.pools.blocks.allocate(seq, num_drafts + 1)
     except KVCacheExhausted:
         return []
     if kind == SPEC_MTP:

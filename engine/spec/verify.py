@@ -1,6 +1,6 @@
 """The forward of a speculative step: verify a row of drafts, then keep the accepted part.
 
-Built from the runner's public pieces (model, block manager, KV store, SSM pool). The verify
+Built from the runner's model and the pools it runs on (blocks, KV store, SSM slots). The verify
 runs [last token, drafts] as a prefill segment of one sequence, with logits at every row:
 causal attention over the cached prefix gives each row what a decode step at that position
 would see. The Gated DeltaNet layers run the segment with the decode step's arithmetic and
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.cache.pools import CachePools
 from engine.cache.ssm_pool import SSMSnapshot
 from engine.model.batch import build_batch
 from engine.model.gdn import SSMRowStates
@@ -48,17 +49,18 @@ def verify_forward(runner: ModelRunner, seq: SequenceState, tokens: list[int], *
     if bad:
         raise ValueError(f"verify tokens: id(s) {bad[:5]} outside the vocabulary [0, {runner.vocab_size})")
     start = seq.num_cached_tokens
-    runner.block_manager.allocate(seq, len(tokens))  # KVCacheExhausted leaves the table as it was
+    pools = runner.pools
+    pools.blocks.allocate(seq, len(tokens))  # KVCacheExhausted leaves the table as it was
     batch = build_batch((tokens, start, seq.block_table, seq.ssm_slot), [], runner.kv_block_size, runner.device)
     batch.ssm_row_states = row_states = SSMRowStates()  # read by every GatedDeltaNet layer
-    out = runner.model(batch, runner.kv_store, runner.ssm_pool, return_hidden=want_hidden)
+    out = runner.model(batch, pools.kv_store, pools.ssm, return_hidden=want_hidden)
     logits, hidden = out if want_hidden else (out, None)
     runner.note_forward(len(tokens), start, [], int(logits.shape[0]))
     seq.num_cached_tokens = start + len(tokens)
     return Verified(start, logits, hidden, row_states)
 
 
-def keep(runner: ModelRunner, seq: SequenceState, verified: Verified, num_kept: int) -> None:
+def keep(pools: CachePools, seq: SequenceState, verified: Verified, num_kept: int) -> None:
     """Make the caches hold the prefix plus the first ``num_kept`` verified tokens, and nothing after.
 
     The SSM slot gets the state after row ``num_kept - 1`` (already there when every row is kept).
@@ -73,8 +75,8 @@ def keep(runner: ModelRunner, seq: SequenceState, verified: Verified, num_kept: 
             last = num_kept - 1
             snapshot = SSMSnapshot(torch.stack([states.conv[i][last] for i in order]),       # [L, C, K-1]
                                    torch.stack([states.recurrent[i][last] for i in order]))  # [L, Hv, Dk, Dv]
-            runner.ssm_pool.restore(snapshot, seq.ssm_slot)
+            pools.ssm.restore(snapshot, seq.ssm_slot)
     seq.num_cached_tokens = verified.start + num_kept
-    num_blocks = runner.block_manager.num_blocks_for(seq.num_cached_tokens)
+    num_blocks = pools.blocks.num_blocks_for(seq.num_cached_tokens)
     while len(seq.block_table) > num_blocks:
-        runner.block_manager.decref(seq.block_table.pop())
+        pools.blocks.decref(seq.block_table.pop())

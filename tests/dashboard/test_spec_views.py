@@ -58,7 +58,7 @@ def spec_run(tmp_path_factory) -> SpecRun:
         events.append(event)
         writer.emit(event)
 
-    sched = Scheduler(ModelRunner(model, num_kv_blocks=26, num_ssm_slots=4, block_size=8), levers, emit=emit)
+    sched = Scheduler(ModelRunner.build(model, num_kv_blocks=26, num_ssm_slots=4, block_size=8), levers, emit=emit)
     rng = random.Random(5)
     lone = {"self": [(10, (rng.sample(range(32, 127), 4) * 10)[:36], {"max_tokens": 30})],
             "ngram": [(11, (rng.sample(range(32, 127), 3) * 10)[:30], {"max_tokens": 30})]}

@@ -17,7 +17,7 @@ from engine.scheduler.loop import Scheduler
 from telemetry import events as ev
 from telemetry.levers import defaults
 
-FORWARDS = ("prefill_chunk", "decode", "mixed_forward")
+FORWARDS = ("forward",)
 CONTEXT = 32768           # the tiny model's max_position_embeddings
 NAN = float("nan")
 
@@ -47,7 +47,7 @@ SCHEDULER_CASES = [
 @pytest.fixture
 def counted_runner(tiny_model):
     """A real runner (4 KV blocks = 64 tokens) whose forwards are counted."""
-    runner = ModelRunner(tiny_model, num_kv_blocks=4, num_ssm_slots=2)
+    runner = ModelRunner.build(tiny_model, num_kv_blocks=4, num_ssm_slots=2)
     calls = {name: 0 for name in FORWARDS}
     for name in FORWARDS:
         real = getattr(runner, name)
@@ -73,14 +73,14 @@ def test_scheduler_rejects_each_bad_request_naming_the_field_without_a_forward(c
     assert calls == {name: 0 for name in FORWARDS}, "a rejected request reached a forward"
     rejected = [r for r in rows if isinstance(r, ev.RequestEvent) and r.kind == "rejected"]
     assert [r.request_id for r in rejected] == list(range(len(SCHEDULER_CASES)))
-    assert runner.block_manager.num_used == 0 and runner.ssm_pool.num_used == 0
+    assert runner.pools.blocks.num_used == 0 and runner.pools.ssm.num_used == 0
 
     # The loop is unharmed: a good request right after all of them runs to its tokens.
     good = sched.submit(100, [5, 6, 7], {"max_tokens": 3})
     while sched.has_work:
         sched.step()
     assert good.status == ev.REQ_FINISHED and len(good.output_tokens) == 3
-    assert calls["prefill_chunk"] + calls["mixed_forward"] >= 1
+    assert calls["forward"] >= 1
 
 
 GENERATE_CASES = [

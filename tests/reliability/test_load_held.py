@@ -35,7 +35,7 @@ def rss_mb() -> float:
 def storm(model, num_requests: int):
     """Far more demand than cache: 64 blocks, capped at 4 (64 tokens) by the lever; 16 SSM slots."""
     rows: list = []
-    runner = ModelRunner(model, num_kv_blocks=64, num_ssm_slots=16)
+    runner = ModelRunner.build(model, num_kv_blocks=64, num_ssm_slots=16)
     sched = Scheduler(runner, defaults().replace(kv_blocks_cap=4), emit=rows.append)
     rng = random.Random(11)
     for i in range(num_requests):
@@ -56,9 +56,9 @@ def check_storm(sched, runner, rows, num_requests: int) -> Counter:
         else:
             assert request.status == ev.REQ_PREEMPTED, (request.request_id, request.status, request.error)
             assert request.error and request.error.startswith("preempted: KV cache exhausted")
-    runner.block_manager.check_invariants()
-    runner.ssm_pool.check_invariants()
-    assert runner.block_manager.num_used == 0 and runner.ssm_pool.num_used == 0, "leaked blocks or slots"
+    runner.pools.blocks.check_invariants()
+    runner.pools.ssm.check_invariants()
+    assert runner.pools.blocks.num_used == 0 and runner.pools.ssm.num_used == 0, "leaked blocks or slots"
     statuses = Counter(r.status for r in sched.done)
     preemption_rows = [r for r in rows if isinstance(r, ev.Preemption)]
     assert len(preemption_rows) == statuses[ev.REQ_PREEMPTED] == sched.num_preemptions > 0
@@ -85,7 +85,7 @@ def test_kv_exhaustion_storm_2000_requests(tiny_model):
 
 def backlog(model, db_path, num_requests: int) -> dict:
     """All requests queued at once; a real writer; RSS sampled as the queue drains."""
-    runner = ModelRunner(model, num_kv_blocks=256, num_ssm_slots=16)
+    runner = ModelRunner.build(model, num_kv_blocks=256, num_ssm_slots=16)
     writer = TelemetryWriter(db_path)
     writer.start_run(RunStarted(started_at=time.time(), model="tiny", device="cpu", config={}, model_config={},
                                 versions={}, workload={"kind": "backlog", "num_requests": num_requests},
@@ -118,7 +118,7 @@ def check_backlog(result: dict, db_path, num_requests: int) -> None:
     sched, writer = result["sched"], result["writer"]
     assert len(sched.done) == num_requests and not sched.waiting and not sched.active
     assert all(r.status == ev.REQ_FINISHED for r in sched.done)
-    assert result["runner"].block_manager.num_used == 0
+    assert result["runner"].pools.blocks.num_used == 0
     wait_share = writer.writer_wait_ns / 1e9 / result["elapsed_s"]
     assert wait_share < WRITER_WAIT_SHARE, f"producer waited {wait_share:.2%} of the run on the writer"
     assert writer.num_dropped == 0 and writer.error is None

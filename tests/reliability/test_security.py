@@ -160,7 +160,7 @@ def _small_run(run_dir: Path, tiny_model) -> Path:
                                        model_config={}, versions={}, workload={"kind": "test"},
                                        levers=defaults().as_dict(), command_line=f"python -m engine serve "
                                        f"--run-dir {run_dir}"))
-        sched = Scheduler(ModelRunner(tiny_model, num_kv_blocks=16, num_ssm_slots=4), defaults(), emit=writer.emit)
+        sched = Scheduler(ModelRunner.build(tiny_model, num_kv_blocks=16, num_ssm_slots=4), defaults(), emit=writer.emit)
         for i in range(4):
             sched.submit(i, [3, 4, 5 + i], {"max_tokens": 3})
         while sched.has_work:

@@ -105,9 +105,9 @@ def test_stop_string_ends_text(api_server):
 def engine_logprobs(prompt: list[int], output: list[int]) -> list[torch.Tensor]:
     """log_softmax of the engine's own logits before each output token: prefill, then decodes."""
     model, _, _ = load_model("tiny")
-    runner = ModelRunner(model, num_kv_blocks=16, num_ssm_slots=1)
+    runner = ModelRunner.build(model, num_kv_blocks=16, num_ssm_slots=1)
     seq = SequenceState(request_id=0)
-    runner.admit(seq)
+    runner.pools.admit(seq)
     rows = [runner.prefill_chunk(seq, prompt, 0, len(prompt), True)]              # [V]
     for token in output[:-1]:
         rows.append(runner.decode([seq], [token])[0])                              # [V]

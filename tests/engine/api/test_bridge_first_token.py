@@ -99,9 +99,9 @@ def test_a_frontend_that_dies_has_its_requests_cancelled_and_pools_freed():
     for _ in range(4):
         sched.step()
         api.after_tick(sched)
-    assert sched.runner.ssm_pool.num_used > 0
+    assert sched.pools.ssm.num_used > 0
     theirs.close()                               # the frontend process is gone
     api.before_tick(sched)
     assert api.bridge.peer_lost and not sched.has_work
     assert sorted(r.status for r in sched.done) == ["cancelled", "cancelled"]
-    assert sched.runner.ssm_pool.num_used == 0 and sched.runner.block_manager.num_used == 0
+    assert sched.pools.ssm.num_used == 0 and sched.pools.blocks.num_used == 0

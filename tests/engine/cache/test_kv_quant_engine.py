@@ -33,8 +33,8 @@ def serve(model, dtype: str, specs, *, kv_blocks: int = 256, calib: int = 96, pr
           levers: dict | None = None, stagger: int = 2, budget: int | None = None):
     """Submit one request every ``stagger`` ticks; run to the end; (scheduler, rows, outputs)."""
     rows: list = []
-    runner = ModelRunner(model, num_kv_blocks=kv_blocks, num_ssm_slots=8,
-                         kv_quant=config_for(dtype, calib_tokens=calib), kv_budget_bytes=budget)
+    runner = ModelRunner.build(model, num_kv_blocks=kv_blocks, num_ssm_slots=8,
+                               kv_quant=config_for(dtype, calib_tokens=calib), kv_budget_bytes=budget)
     sched = Scheduler(runner, defaults().replace(**{"max_prefill_tokens": 32, **(levers or {})}),
                       emit=rows.append, prefix_cache=prefix)
     pending = list(specs)
@@ -46,8 +46,8 @@ def serve(model, dtype: str, specs, *, kv_blocks: int = 256, calib: int = 96, pr
         if sched.prefix is not None:
             sched.prefix.cache.check_invariants()
         else:
-            runner.block_manager.check_invariants()
-    assert runner.block_manager.num_used == 0, "leaked blocks"
+            runner.pools.blocks.check_invariants()
+    assert runner.pools.blocks.num_used == 0, "leaked blocks"
     outputs = {r.request_id: list(r.output_tokens) for r in sched.done}
     return sched, rows, outputs
 
@@ -77,13 +77,13 @@ def test_the_poll_moves_calibration_at_chunk_starts_and_every_chunk_row_carries_
     assert ready.detail["tokens_seen"] >= 96, "ready only once the calibration budget of prefill keys was seen"
     calibrated = sum(c.length for c in chunks if c.kv_quant_state == STATE_CALIBRATING)
     assert calibrated >= 96
-    assert sched.runner.innerq.num_quantized_blocks > 0, "blocks written after apply were quantized"
+    assert sched.runner.pools.innerq.num_quantized_blocks > 0, "blocks written after apply were quantized"
 
 
 def test_ticks_carry_kv_bytes(quant_run):
     sched, rows, _ = quant_run
     ticks = [r for r in rows if isinstance(r, ev.Tick)]
-    budget = sched.runner.kv_bytes_total
+    budget = sched.runner.pools.kv_bytes_total
     assert all(t.kv_bytes_total == budget for t in ticks)
     assert max(t.kv_bytes_used for t in ticks) > 0 and all(0 <= t.kv_bytes_used <= budget for t in ticks)
 
@@ -102,46 +102,46 @@ def test_innerq8_greedy_tokens_agree_with_full_precision(tiny, quant_run):
 
 def test_blocks_written_before_apply_stay_full_precision_until_their_sequence_ends(tiny):
     cfg = config_for("innerq4", calib_tokens=32, sink_tokens=16, recent_tokens=32)
-    runner = ModelRunner(tiny, num_kv_blocks=64, num_ssm_slots=2, kv_quant=cfg)
+    runner = ModelRunner.build(tiny, num_kv_blocks=64, num_ssm_slots=2, kv_quant=cfg)
     early, late = SequenceState(0), SequenceState(1)
     prompt = prompts(1, 200)[0]
     for seq in (early, late):
-        runner.admit(seq)
-    runner.poll_kv_quant()
+        runner.pools.admit(seq)
+    runner.pools.poll_kv_quant()
     runner.prefill_chunk(early, prompt, 0, 64, False)          # calibrates
-    assert runner.poll_kv_quant()["new"] == STATE_READY
-    assert runner.poll_kv_quant()["new"] == STATE_APPLIED
+    assert runner.pools.poll_kv_quant()["new"] == STATE_READY
+    assert runner.pools.poll_kv_quant()["new"] == STATE_APPLIED
     runner.prefill_chunk(early, prompt, 64, 64, False)         # early: blocks 4..7 written after apply
     runner.prefill_chunk(late, prompt, 0, 128, False)
-    bm = runner.block_manager
+    bm = runner.pools.blocks
     # early: blocks 0-3 predate the apply, 4-5 left the recent window (128 - 32 = 96 = 6 blocks)
     assert [bm.is_quantized(b) for b in early.block_table] == [False] * 4 + [True] * 2 + [False] * 2
     # late: block 0 is the sink, 1-5 quantized, 6-7 the recent window
     assert [bm.is_quantized(b) for b in late.block_table] == [False] + [True] * 5 + [False] * 2
     bm.check_invariants()
-    runner.release(early)
-    runner.release(late)
+    runner.pools.release(early)
+    runner.pools.release(late)
     assert bm.bytes_used == 0 and bm.num_used == 0
 
 
 def test_a_byte_budget_holds_at_least_3_5x_the_tokens_in_4_bit(tiny):
     budget = 2 << 20
-    full = ModelRunner(tiny, num_kv_blocks=1, num_ssm_slots=1, kv_budget_bytes=budget)
-    quant = ModelRunner(tiny, num_kv_blocks=1, num_ssm_slots=1, kv_quant=config_for("innerq4"),
-                        kv_budget_bytes=budget)
-    assert full.kv_bytes_total == full.block_manager.num_blocks * full.fp_block_bytes <= budget
-    ratio = quant.block_manager.num_blocks / full.block_manager.num_blocks
+    full = ModelRunner.build(tiny, num_kv_blocks=1, num_ssm_slots=1, kv_budget_bytes=budget)
+    quant = ModelRunner.build(tiny, num_kv_blocks=1, num_ssm_slots=1, kv_quant=config_for("innerq4"),
+                              kv_budget_bytes=budget)
+    assert full.pools.kv_bytes_total == full.pools.blocks.num_blocks * full.pools.fp_block_bytes <= budget
+    ratio = quant.pools.blocks.num_blocks / full.pools.blocks.num_blocks
     assert ratio >= 3.5, ratio
     # the tensors really are that size: quantized rows per block vs full-precision rows per block
-    store = quant.kv_store
+    store = quant.pools.kv_store
     per_block = sum(q.num_bytes for q in (*store.qkeys.values(), *store.qvalues.values())) / store.num_blocks
-    assert per_block == quant.block_manager.quant_block_bytes
-    assert full.kv_store.num_bytes / full.block_manager.num_blocks / per_block >= 3.5
+    assert per_block == quant.pools.blocks.quant_block_bytes
+    assert full.pools.kv_store.num_bytes / full.pools.blocks.num_blocks / per_block >= 3.5
 
 
 def test_a_full_byte_budget_preempts_and_ends_clean(tiny):
     specs = greedy_specs(num=6, length=120, max_tokens=40)
-    budget = 24 * ModelRunner(tiny, num_kv_blocks=1, num_ssm_slots=1).fp_block_bytes
+    budget = 24 * ModelRunner.build(tiny, num_kv_blocks=1, num_ssm_slots=1).pools.fp_block_bytes
     full, rows_full, _ = serve(tiny, "auto", specs, budget=budget, calib=64)
     quant, rows_quant, _ = serve(tiny, "innerq4", specs, budget=budget, calib=64)
     assert full.num_preemptions > quant.num_preemptions
@@ -154,7 +154,7 @@ def test_the_prefix_cache_shares_quantized_blocks_as_they_are(tiny):
                               output_len=8, seed=3).requests()
     shared_quantized: list[int] = []
     rows: list = []
-    runner = ModelRunner(tiny, num_kv_blocks=256, num_ssm_slots=8, kv_quant=config_for("innerq4", calib_tokens=64))
+    runner = ModelRunner.build(tiny, num_kv_blocks=256, num_ssm_slots=8, kv_quant=config_for("innerq4", calib_tokens=64))
     sched = Scheduler(runner, defaults().replace(max_prefill_tokens=32, ssm_tail_ckpt=True), emit=rows.append,
                       prefix_cache=True)
     for spec in specs:
@@ -164,7 +164,7 @@ def test_the_prefix_cache_shares_quantized_blocks_as_they_are(tiny):
             sched.step()
             if request.prefix_hit_tokens and request.seq.block_table and not shared_quantized:
                 hit_blocks = request.seq.block_table[: request.prefix_hit_tokens // BS]
-                shared_quantized = [b for b in hit_blocks if runner.block_manager.is_quantized(b)]
+                shared_quantized = [b for b in hit_blocks if runner.pools.blocks.is_quantized(b)]
             sched.prefix.cache.check_invariants()
     assert sum(r.prefix_hit_tokens for r in sched.done) > 0
     assert shared_quantized, "a later turn attached blocks that were already quantized"
@@ -181,5 +181,5 @@ def test_speculative_verify_forwards_write_full_precision_and_never_calibrate(ti
     assert spec_steps, "the run must have verified drafts"
     prefill_tokens = sum(c.length for c in rows if isinstance(c, ev.ChunkDecision)
                          and c.kv_quant_state == STATE_CALIBRATING)
-    assert sched.runner.innerq.calibration.tokens_seen == prefill_tokens
+    assert sched.runner.pools.innerq.calibration.tokens_seen == prefill_tokens
     assert all(len(t) == 48 for t in outputs.values())

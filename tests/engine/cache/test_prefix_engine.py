@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.model.loader import load_model
+from engine.model.forward_batch import ForwardBatch
 from engine.model.runner import ModelRunner
 from engine.scheduler import prefix_step
 from engine.scheduler.loop import Scheduler
@@ -52,22 +53,22 @@ class Run:
 
 def check_all(sched: Scheduler) -> None:
     runner = sched.runner
-    runner.ssm_pool.check_invariants()
+    runner.pools.ssm.check_invariants()
     if sched.prefix is not None:
         sched.prefix.cache.check_invariants()  # block manager included
     else:
-        runner.block_manager.check_invariants()
+        runner.pools.blocks.check_invariants()
     live = [r for r in [sched.prefilling, *sched.active] if r is not None]
     for request in live:  # a block a live request holds is never free nor evictable
         for block_id in request.seq.block_table:
-            assert runner.block_manager.ref_count(block_id) >= 1
+            assert runner.pools.blocks.ref_count(block_id) >= 1
 
 
 def run(model, specs, *, prefix: bool, levers: dict | None = None, kv_blocks: int = 256,
         ssm_slots: int = 8, stagger: int = 3, max_snapshots: int | None = None) -> Run:
     """Submit one request every ``stagger`` ticks (so prefill mixes with decodes); run to the end."""
     rows: list = []
-    runner = ModelRunner(model, num_kv_blocks=kv_blocks, num_ssm_slots=ssm_slots)
+    runner = ModelRunner.build(model, num_kv_blocks=kv_blocks, num_ssm_slots=ssm_slots)
     sched = Scheduler(runner, defaults().replace(**(levers or {})), emit=rows.append, prefix_cache=prefix)
     if max_snapshots is not None:
         sched.prefix.max_snapshots = max_snapshots
@@ -78,7 +79,7 @@ def run(model, specs, *, prefix: bool, levers: dict | None = None, kv_blocks: in
             sched.submit(spec.request_id, spec.prompt_tokens, spec.sampling, conversation_id=spec.conversation_id)
         sched.step()
         check_all(sched)
-    assert runner.block_manager.num_used == 0 and runner.ssm_pool.num_used == 0, "leaked blocks or slots"
+    assert runner.pools.blocks.num_used == 0 and runner.pools.ssm.num_used == 0, "leaked blocks or slots"
     return Run(sched, rows)
 
 
@@ -157,25 +158,24 @@ def test_midchunk_capture_gives_the_hits_without_cutting_chunks(runs):
 def test_midchunk_capture_matches_the_state_of_a_cut(tiny):
     rng = random.Random(0)
     prompt = [rng.randrange(256) for _ in range(150)]
-    runner = ModelRunner(tiny, num_kv_blocks=64, num_ssm_slots=4)
+    runner = ModelRunner.build(tiny, num_kv_blocks=64, num_ssm_slots=4)
     cut = _fresh(runner, 1)
-    runner.prefill_chunk(cut, prompt, 0, 70, False)
-    assert runner.last_capture is None
-    expected = runner.ssm_pool.snapshot(cut.ssm_slot)  # the state a chunk cut at 70 leaves
+    assert runner.forward(ForwardBatch.chunk(cut, prompt, 0, 70, False)).capture is None
+    expected = runner.pools.ssm.snapshot(cut.ssm_slot)  # the state a chunk cut at 70 leaves
     reference = runner.prefill_chunk(_fresh(runner, 2), prompt, 0, 150, True)
-    logits = runner.prefill_chunk(_fresh(runner, 3), prompt, 0, 150, True, capture_at=70)
-    got = runner.last_capture
+    out = runner.forward(ForwardBatch.chunk(_fresh(runner, 3), prompt, 0, 150, True, capture_at=70))
+    logits, got = out.prefill_logits, out.capture
     torch.testing.assert_close(got.conv, expected.conv, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got.recurrent, expected.recurrent, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(logits, reference, atol=1e-4, rtol=1e-4)
     assert int(logits.argmax()) == int(reference.argmax())
     with pytest.raises(ValueError, match="capture_at=150 must lie strictly inside"):
-        runner.prefill_chunk(_fresh(runner, 4), prompt, 0, 150, True, capture_at=150)
+        runner.forward(ForwardBatch.chunk(_fresh(runner, 4), prompt, 0, 150, True, capture_at=150))
 
 
 def _fresh(runner: ModelRunner, request_id: int) -> SequenceState:
     seq = SequenceState(request_id)
-    runner.admit(seq)
+    runner.pools.admit(seq)
     return seq
 
 
@@ -183,7 +183,7 @@ def test_eviction_under_pressure_never_frees_a_block_in_use(tiny):
     specs = conversations(seed=4, num_conversations=4, num_turns=3)
     reference = run(tiny, specs, prefix=False)
     tight = run(tiny, specs, prefix=True, levers=CKPT, kv_blocks=24, ssm_slots=4, stagger=2)
-    assert tight.sched.runner.block_manager.num_evictions > 0, "the cache must be under pressure"
+    assert tight.sched.pools.blocks.num_evictions > 0, "the cache must be under pressure"
     evicted = tight.events(prefix_step.EVENT_EVICTED)
     assert evicted and all(e.detail["block_hash"] and e.request_id is not None for e in evicted)
     finished = [i for i, r in tight.requests.items() if r.status == ev.REQ_FINISHED]
@@ -216,7 +216,7 @@ def request_streams(draw):
 @given(case=request_streams())
 def test_random_request_streams_keep_reference_counts_exact(tiny, case):
     stream, levers, kv_blocks = case
-    runner = ModelRunner(tiny, num_kv_blocks=kv_blocks, num_ssm_slots=3)
+    runner = ModelRunner.build(tiny, num_kv_blocks=kv_blocks, num_ssm_slots=3)
     sched = Scheduler(runner, defaults().replace(**levers), prefix_cache=True)
     pending, wait = list(stream), 0
     while pending or sched.has_work:
@@ -226,8 +226,8 @@ def test_random_request_streams_keep_reference_counts_exact(tiny, case):
         wait -= 1
         sched.step()
         check_all(sched)
-    bm = runner.block_manager
-    assert bm.num_used == 0 and runner.ssm_pool.num_used == 0
+    bm = runner.pools.blocks
+    assert bm.num_used == 0 and runner.pools.ssm.num_used == 0
     assert all(bm.ref_count(b) == 0 for b in range(bm.num_blocks))
     assert bm.num_evictable == sched.prefix.cache.num_cached_blocks
     stats = sched.prefix.cache.stats

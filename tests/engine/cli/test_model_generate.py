@@ -38,9 +38,9 @@ def test_greedy_matches_runner_argmax(capsys):
     from engine.model.runner import ModelRunner
     from engine.cache.sequence import SequenceState
     model, _, _ = load_model("tiny")
-    runner = ModelRunner(model, 4, 1)
+    runner = ModelRunner.build(model, 4, 1)
     seq = SequenceState(0)
-    runner.admit(seq)
+    runner.pools.admit(seq)
     tokens = [int(runner.prefill_chunk(seq, [5, 6, 7, 8], 0, 4, True).argmax())]
     for _ in range(5):
         tokens.append(int(runner.decode([seq], [tokens[-1]])[0].argmax()))

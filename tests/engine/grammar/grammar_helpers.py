@@ -21,13 +21,13 @@ def tiny():
 
 
 def make_scheduler(levers=None, *, kv_blocks: int = 512, ssm_slots: int = 16, rows=None,
-                   prefix_cache: bool = False) -> Scheduler:
+                   prefix_cache: bool = False, grammars: bool = True) -> Scheduler:
+    """``grammars``: with the compile worker (as an engine whose checkpoint has a tokenizer)."""
     model, tokenizer = tiny()
-    runner = ModelRunner(model, num_kv_blocks=kv_blocks, num_ssm_slots=ssm_slots)
-    sched = Scheduler(runner, levers or defaults(), emit=rows.append if rows is not None else None,
-                      prefix_cache=prefix_cache)
-    sched.grammars = GrammarCompiler.for_model(model, tokenizer, runner.vocab_size)
-    return sched
+    runner = ModelRunner.build(model, num_kv_blocks=kv_blocks, num_ssm_slots=ssm_slots)
+    compiler = GrammarCompiler.for_model(model, tokenizer, runner.vocab_size) if grammars else None
+    return Scheduler(runner, levers or defaults(), emit=rows.append if rows is not None else None,
+                     prefix_cache=prefix_cache, grammars=compiler)
 
 
 def run_to_end(sched: Scheduler, max_ticks: int = 100_000, timeout_s: float = 300.0) -> None:
@@ -38,8 +38,8 @@ def run_to_end(sched: Scheduler, max_ticks: int = 100_000, timeout_s: float = 30
             assert time.monotonic() < deadline, "requests never became ready"
             time.sleep(0.002)
     runner = sched.runner
-    runner.block_manager.check_invariants()
-    runner.ssm_pool.check_invariants()
+    runner.pools.blocks.check_invariants()
+    runner.pools.ssm.check_invariants()
 
 
 def prompt(rng: random.Random, low: int = 6, high: int = 24) -> list[int]:

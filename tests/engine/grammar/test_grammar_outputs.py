@@ -135,12 +135,11 @@ def test_compile_errors_and_bad_specs_end_the_request_with_a_clear_error():
     assert bad_regex.status == ev.REQ_REJECTED and bad_regex.error.startswith("grammar: regex grammar does not compile")
     assert "unclosed character class" in bad_regex.error
     assert good.finish_reason == "stop" and text_of(good) == "ok"
-    assert sched.runner.block_manager.num_used == 0
+    assert sched.pools.blocks.num_used == 0
 
 
 def test_no_tokenizer_means_grammars_are_refused():
-    sched = make_scheduler()
-    sched.grammars = None
+    sched = make_scheduler(grammars=False)
     request = sched.submit(0, [1, 2], {"max_tokens": 4}, grammar={"kind": "json_object"})
     assert request.status == ev.REQ_REJECTED and "no grammar support" in request.error
 

@@ -29,7 +29,7 @@ def run_arrivals(sched, arrivals: dict[int, list[tuple]]) -> dict[int, object]:
             else:
                 time.sleep(0.002)           # only compiles pending: wait for them
     run_to_end(sched)
-    assert sched.runner.block_manager.num_used == 0 and sched.runner.ssm_pool.num_used == 0
+    assert sched.pools.blocks.num_used == 0 and sched.pools.ssm.num_used == 0
     return submitted
 
 

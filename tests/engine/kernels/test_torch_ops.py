@@ -123,8 +123,8 @@ def test_a_compiled_step_packs_each_decode_weight_once_and_calls_the_cpp_operato
 
     torch._dynamo.reset()
     dtype = next(tiny.parameters()).dtype
-    runner = ModelRunner(tiny, num_kv_blocks=16, num_ssm_slots=3, dtype=dtype,
-                         compile=CompileSettings("eager", buckets=(2,)))
+    runner = ModelRunner.build(tiny, num_kv_blocks=16, num_ssm_slots=3, dtype=dtype,
+                               compile=CompileSettings("eager", buckets=(2,)))
     runner.compiled_decode._compiled = torch.compile(runner.compiled_decode._decode, backend=recording_backend,
                                                      dynamic=False)
     def packed_copy(projection):
@@ -133,11 +133,11 @@ def test_a_compiled_step_packs_each_decode_weight_once_and_calls_the_cpp_operato
     projections = [p for p in decode_projections(tiny) if getattr(p, "decode_rows", True)]
     packed = {id(p): packed_copy(p) for p in projections}
     assert projections and all(p is not None and p.dtype == dtype for p in packed.values())
-    ModelRunner(tiny, num_kv_blocks=16, num_ssm_slots=3, dtype=dtype, compile=CompileSettings("eager", buckets=(2,)))
+    ModelRunner.build(tiny, num_kv_blocks=16, num_ssm_slots=3, dtype=dtype, compile=CompileSettings("eager", buckets=(2,)))
     assert all(packed_copy(p) is packed[id(p)] for p in projections)  # no second copy
     seqs = [SequenceState(i) for i in range(2)]
     for seq in seqs:
-        runner.admit(seq)
+        runner.pools.admit(seq)
         runner.prefill_chunk(seq, [3, 4, 5], 0, 3, True)
     runner.decode(seqs, [1, 2])
     code = "\n".join(graphs)

@@ -15,6 +15,7 @@ from engine.serve.engine_setup import build_engine
 from engine.model import compiled_decode
 from engine.model.compiled_decode import BATCH_BUCKETS, CompileSettings, bucket_for, resolve_compile
 from engine.model.loader import load_model
+from engine.model.forward_batch import ForwardBatch, PrefillChunk
 from engine.model.runner import ModelRunner
 from engine.cache.sequence import SequenceState
 from telemetry import events as ev
@@ -48,11 +49,11 @@ def test_auto_compiles_on_a_gpu_only_and_bad_choices_are_named(monkeypatch):
 def _greedy_decode(model, settings, steps: int = 24):
     """Five sequences with prompts of 9-13 tokens decode greedily in batches of 3, 4 and 5 rows
     (buckets 4 and 8); the contexts cross two block boundaries. Returns (tokens, runner, compiled flags)."""
-    runner = ModelRunner(model, num_kv_blocks=64, num_ssm_slots=8, compile=settings)
+    runner = ModelRunner.build(model, num_kv_blocks=64, num_ssm_slots=8, compile=settings)
     seqs = []
     for i in range(5):
         seq = SequenceState(i)
-        runner.admit(seq)
+        runner.pools.admit(seq)
         runner.prefill_chunk(seq, list(range(1, 10 + i)), 0, 9 + i, True)
         seqs.append(seq)
     tokens, last, flags = [], [1] * 5, []
@@ -78,11 +79,11 @@ def test_greedy_tokens_equal_eager_with_one_graph_per_bucket(tiny):
 
 
 def test_mixed_forwards_and_wide_batches_stay_eager(tiny):
-    runner = ModelRunner(tiny, num_kv_blocks=64, num_ssm_slots=16, compile=CompileSettings("eager", buckets=(1,)))
+    runner = ModelRunner.build(tiny, num_kv_blocks=64, num_ssm_slots=16, compile=CompileSettings("eager", buckets=(1,)))
     seqs = []
     for i in range(3):
         seq = SequenceState(i)
-        runner.admit(seq)
+        runner.pools.admit(seq)
         runner.prefill_chunk(seq, [5, 6, 7, 8], 0, 4, True)
         assert not runner.last_forward_compiled
         seqs.append(seq)
@@ -91,8 +92,9 @@ def test_mixed_forwards_and_wide_batches_stay_eager(tiny):
     runner.decode(seqs[:1], [3])
     assert runner.last_forward_compiled
     fresh = SequenceState(9)
-    runner.admit(fresh)
-    runner.mixed_forward(seqs[:1], [4], fresh, [1, 2, 3], 0, 3, True)  # prefill + decode rows in one forward
+    runner.pools.admit(fresh)
+    # prefill + decode rows in one forward
+    runner.forward(ForwardBatch.mixed(seqs[:1], [4], PrefillChunk(fresh, [1, 2, 3], 0, 3, True)))
     assert not runner.last_forward_compiled
 
 
@@ -158,7 +160,7 @@ def test_generate_with_compile_equals_eager_and_reports_the_compile(tiny):
 def test_a_recompile_is_counted_and_flagged(tiny):
     """The counter is live: a guard that fails for a bucket already run (here the token ids' dtype)
     compiles again, and that compile is flagged as a recompile."""
-    runner = ModelRunner(tiny, num_kv_blocks=8, num_ssm_slots=2, compile=CompileSettings("eager", buckets=(1,)))
+    runner = ModelRunner.build(tiny, num_kv_blocks=8, num_ssm_slots=2, compile=CompileSettings("eager", buckets=(1,)))
     step = runner.compiled_decode
     step([], bucket=1)
     step([], bucket=1)  # same shapes and guards: nothing compiles
@@ -173,9 +175,9 @@ def test_a_recompile_is_counted_and_flagged(tiny):
 def test_each_step_has_its_own_graphs_despite_tensor_only_guards(tiny):
     """Guards keep tensor metadata only, so two runners over same-shaped tensors would reuse one graph
     (with the first one's Python constants baked in) if they shared a cache: each compiles its own."""
-    first = ModelRunner(tiny, num_kv_blocks=16, num_ssm_slots=2, compile=CompileSettings("eager", buckets=(1,)))
+    first = ModelRunner.build(tiny, num_kv_blocks=16, num_ssm_slots=2, compile=CompileSettings("eager", buckets=(1,)))
     first.compiled_decode([], bucket=1)
-    second = ModelRunner(tiny, num_kv_blocks=16, num_ssm_slots=2, compile=CompileSettings("eager", buckets=(1,)))
+    second = ModelRunner.build(tiny, num_kv_blocks=16, num_ssm_slots=2, compile=CompileSettings("eager", buckets=(1,)))
     second.compiled_decode([], bucket=1)
     assert first.compiled_decode.num_graphs == second.compiled_decode.num_graphs == 1
 

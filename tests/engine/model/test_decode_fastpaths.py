@@ -27,11 +27,11 @@ def _run(model, dtype: torch.dtype, steps: int, forced: list[list[int]] | None =
     ``forced``: feed these tokens instead of the greedy ones (teacher forcing), so two
     dtypes are compared on the same inputs even where a near-tie flips a choice.
     """
-    runner = ModelRunner(model, num_kv_blocks=64, num_ssm_slots=4, dtype=dtype)
+    runner = ModelRunner.build(model, num_kv_blocks=64, num_ssm_slots=4, dtype=dtype)
     seqs, first, logits = [], [], []
     for i, prompt in enumerate(_prompts(model.config.vocab_size)):
         seq = SequenceState(i)
-        runner.admit(seq)
+        runner.pools.admit(seq)
         row = runner.prefill_chunk(seq, prompt, 0, len(prompt), True)
         seqs.append(seq)
         first.append(int(row.argmax()))

@@ -120,13 +120,13 @@ def test_decode_logits_do_not_depend_on_slot_order(model):
     prompts = [[5, 9, 2, 7, 1], [3, 3, 8], [11, 4, 6, 2, 9, 10, 1], [2, 2]]
 
     def run(order: list[int], steps: int = 6) -> list[torch.Tensor]:
-        runner = ModelRunner(model, num_kv_blocks=16, num_ssm_slots=5)
+        runner = ModelRunner.build(model, num_kv_blocks=16, num_ssm_slots=5)
         spare = SequenceState(99)
-        runner.admit(spare)  # slot 0 taken, so the others start at 1
+        runner.pools.admit(spare)  # slot 0 taken, so the others start at 1
         seqs = []
         for i, prompt in enumerate(prompts):
             seq = SequenceState(i)
-            runner.admit(seq)
+            runner.pools.admit(seq)
             runner.prefill_chunk(seq, prompt, 0, len(prompt), True)
             seqs.append(seq)
         batch_seqs = [seqs[i] for i in order]
@@ -148,12 +148,12 @@ def test_logits_rows_subset_equals_full_forward_rows(model):
     prompt = [(7 * i + 3) % model.config.vocab_size for i in range(40)]
 
     def forward(rows):
-        runner = ModelRunner(model, num_kv_blocks=8, num_ssm_slots=1)
+        runner = ModelRunner.build(model, num_kv_blocks=8, num_ssm_slots=1)
         seq = SequenceState(0)
-        runner.admit(seq)
-        runner.block_manager.allocate(seq, len(prompt))
+        runner.pools.admit(seq)
+        runner.pools.blocks.allocate(seq, len(prompt))
         batch = build_batch((prompt, 0, seq.block_table, seq.ssm_slot), [], runner.kv_block_size)
-        return model(batch, runner.kv_store, runner.ssm_pool, rows), runner
+        return model(batch, runner.pools.kv_store, runner.pools.ssm, rows), runner
 
     full, full_runner = forward(None)  # [40, V]
     rows = torch.tensor([39, 5, 17])
@@ -161,6 +161,6 @@ def test_logits_rows_subset_equals_full_forward_rows(model):
     assert subset.shape == (3, model.config.vocab_size)
     assert (subset - full[rows]).abs().max().item() <= 1e-5
     # No row dropped before the mixers: the caches hold the same state either way.
-    assert torch.equal(subset_runner.ssm_pool.recurrent, full_runner.ssm_pool.recurrent)
+    assert torch.equal(subset_runner.pools.ssm.recurrent, full_runner.pools.ssm.recurrent)
     empty, _ = forward(torch.tensor([], dtype=torch.long))
     assert empty.shape == (0, model.config.vocab_size)

@@ -16,9 +16,9 @@ from engine.cache.sequence import SequenceState
 
 
 def last_logits(model, prompt):
-    runner = ModelRunner(model, num_kv_blocks=8, num_ssm_slots=1)
+    runner = ModelRunner.build(model, num_kv_blocks=8, num_ssm_slots=1)
     seq = SequenceState(0)
-    runner.admit(seq)
+    runner.pools.admit(seq)
     return runner.prefill_chunk(seq, prompt, 0, len(prompt), True)
 
 

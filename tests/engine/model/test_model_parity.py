@@ -11,7 +11,7 @@ from engine.cache.sequence import SequenceState
 
 def run_prompt(runner: ModelRunner, prompt: list[int], request_id: int = 0) -> tuple[SequenceState, torch.Tensor]:
     seq = SequenceState(request_id)
-    runner.admit(seq)
+    runner.pools.admit(seq)
     logits = runner.prefill_chunk(seq, prompt, 0, len(prompt), True)
     return seq, logits
 
@@ -41,12 +41,12 @@ def _max_logit_error(hf_model, model, prompt: list[int]) -> float:
 
     with torch.no_grad():
         expected = hf_model(torch.tensor([prompt])).logits[0]  # [L, V]
-    runner = ModelRunner(model, num_kv_blocks=-(-len(prompt) // 16) + 1, num_ssm_slots=2)
+    runner = ModelRunner.build(model, num_kv_blocks=-(-len(prompt) // 16) + 1, num_ssm_slots=2)
     seq = SequenceState(0)
-    runner.admit(seq)
-    runner.block_manager.allocate(seq, len(prompt))
+    runner.pools.admit(seq)
+    runner.pools.blocks.allocate(seq, len(prompt))
     batch = build_batch((prompt, 0, seq.block_table, seq.ssm_slot), [], runner.kv_block_size)
-    actual = model(batch, runner.kv_store, runner.ssm_pool)  # [L, V]
+    actual = model(batch, runner.pools.kv_store, runner.pools.ssm)  # [L, V]
     return (actual - expected).abs().max().item()
 
 
@@ -76,6 +76,6 @@ def test_greedy_continuation_matches_transformers_generate(hf_checkpoint, length
         out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
                                 min_new_tokens=32, pad_token_id=config.vocab_size - 1)
     expected = out[0, length:].tolist()
-    runner = ModelRunner(model, num_kv_blocks=16, num_ssm_slots=2)
+    runner = ModelRunner.build(model, num_kv_blocks=16, num_ssm_slots=2)
     seq, logits = run_prompt(runner, prompt)
     assert greedy(runner, seq, logits, 32) == expected

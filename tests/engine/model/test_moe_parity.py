@@ -66,12 +66,12 @@ def test_every_position_logits_match_transformers(moe_checkpoint, name):
     prompt = torch.randint(0, config.vocab_size, (41,), generator=torch.Generator().manual_seed(5)).tolist()
     with torch.no_grad():
         expected = hf(torch.tensor([prompt])).logits[0]  # [L, V]
-    runner = ModelRunner(model, num_kv_blocks=8, num_ssm_slots=2)
+    runner = ModelRunner.build(model, num_kv_blocks=8, num_ssm_slots=2)
     seq = SequenceState(0)
-    runner.admit(seq)
-    runner.block_manager.allocate(seq, len(prompt))
+    runner.pools.admit(seq)
+    runner.pools.blocks.allocate(seq, len(prompt))
     batch = build_batch((prompt, 0, seq.block_table, seq.ssm_slot), [], runner.kv_block_size)
-    actual = model(batch, runner.kv_store, runner.ssm_pool)  # [L, V]
+    actual = model(batch, runner.pools.kv_store, runner.pools.ssm)  # [L, V]
     assert (actual - expected).abs().max().item() <= TOLERANCE
 
 
@@ -85,9 +85,9 @@ def test_twenty_greedy_tokens_match_transformers_generate(moe_checkpoint, name):
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, min_new_tokens=20,
                           do_sample=False, pad_token_id=config.vocab_size - 1)
     expected = out[0, len(prompt):].tolist()
-    runner = ModelRunner(model, num_kv_blocks=8, num_ssm_slots=2)
+    runner = ModelRunner.build(model, num_kv_blocks=8, num_ssm_slots=2)
     seq = SequenceState(0)
-    runner.admit(seq)
+    runner.pools.admit(seq)
     logits = runner.prefill_chunk(seq, prompt, 0, 16, False)
     logits = runner.prefill_chunk(seq, prompt, 16, len(prompt) - 16, True)  # chunked prompt
     tokens = [int(logits.argmax())]

@@ -83,13 +83,13 @@ def test_loads_every_mtp_tensor_and_drafts(checkpoint, tensors):
     assert config.mtp_num_hidden_layers == 1 and model.has_mtp_head
     for name in MTP_NAMES:
         torch.testing.assert_close(model.state_dict()[name], tensors[name], rtol=0, atol=0)
-    runner = ModelRunner(model, num_kv_blocks=32, num_ssm_slots=2)
-    assert 4 in runner.kv_store.keys  # the MTP layer's own paged K/V, beside layer 3's
+    runner = ModelRunner.build(model, num_kv_blocks=32, num_ssm_slots=2)
+    assert 4 in runner.pools.kv_store.keys  # the MTP layer's own paged K/V, beside layer 3's
     prompt = [5, 9, 17, 33, 65, 2, 7, 11] * 3
     outputs = {}
     for kind in ("off", "mtp"):
         rows: list = []
-        sched = Scheduler(ModelRunner(model, num_kv_blocks=32, num_ssm_slots=2),
+        sched = Scheduler(ModelRunner.build(model, num_kv_blocks=32, num_ssm_slots=2),
                           defaults().replace(speculation=kind), emit=rows.append)
         assert sched.levers.speculation == kind
         request = sched.submit(0, prompt, {"max_tokens": 20})
@@ -121,7 +121,7 @@ def test_without_mtp_tensors_the_model_has_no_head_and_says_why(tmp_path, tensor
     assert config.mtp_num_hidden_layers == 1 and not model.has_mtp_head
     assert "holds no mtp.* tensors" in model.mtp_absent_reason
     rows: list = []
-    sched = Scheduler(ModelRunner(model, num_kv_blocks=8, num_ssm_slots=1),
+    sched = Scheduler(ModelRunner.build(model, num_kv_blocks=8, num_ssm_slots=1),
                       defaults().replace(speculation="mtp"), emit=rows.append)
     assert sched.levers.speculation == "off"
     reasons = [r.reason for r in rows if isinstance(r, ev.LeverChange) and r.status == "rejected"]

@@ -69,8 +69,8 @@ def direct_run(recorded, flips: dict) -> dict[int, list[int]]:
     arrivals and lever changes at their recorded ticks, the flip winning, every request to its end,
     except those the recording cut short (cancelled at shutdown): they end where the recording did."""
     model, _, _ = load_model("tiny")
-    runner = ModelRunner(model, num_kv_blocks=recorded.config["kv_blocks"],
-                         num_ssm_slots=recorded.config["ssm_slots"], block_size=recorded.config["block_size"])
+    runner = ModelRunner.build(model, num_kv_blocks=recorded.config["kv_blocks"],
+                               num_ssm_slots=recorded.config["ssm_slots"], block_size=recorded.config["block_size"])
     sched = Scheduler(runner, defaults().replace(**{**recorded.start_levers, **flips}),
                       run_seed=recorded.config["seed"])
     arrivals = deque(sorted(recorded.requests, key=lambda r: (r.arrival_tick, r.arrival_ns)))

@@ -42,7 +42,7 @@ def _run_one(prompt, sampling, levers):
     from engine.scheduler.loop import Scheduler
 
     model, _, _ = load_model("tiny")
-    sched = Scheduler(ModelRunner(model, num_kv_blocks=64, num_ssm_slots=2), levers)
+    sched = Scheduler(ModelRunner.build(model, num_kv_blocks=64, num_ssm_slots=2), levers)
     sched.submit(0, prompt, sampling)
     while sched.has_work:
         sched.step()

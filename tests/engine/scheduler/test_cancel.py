@@ -18,7 +18,7 @@ def tiny():
 
 
 def make(tiny, rows):
-    runner = ModelRunner(tiny, num_kv_blocks=128, num_ssm_slots=4)
+    runner = ModelRunner.build(tiny, num_kv_blocks=128, num_ssm_slots=4)
     return Scheduler(runner, defaults().replace(max_prefill_tokens=16), emit=rows.append)
 
 
@@ -56,7 +56,7 @@ def test_cancel_ends_waiting_prefilling_and_decoding_requests_only(tiny):
     assert ended[3].output_tokens == alone(tiny, requests[3])
     kinds = [(r.request_id, r.kind) for r in rows if isinstance(r, ev.RequestEvent) and r.kind == "cancelled"]
     assert sorted(kinds) == [(0, "cancelled"), (1, "cancelled"), (2, "cancelled")]
-    assert sched.runner.block_manager.num_used == 0 and sched.runner.ssm_pool.num_used == 0
+    assert sched.pools.blocks.num_used == 0 and sched.pools.ssm.num_used == 0
 
 
 def test_stop_cancels_everything_in_flight(tiny):
@@ -70,4 +70,4 @@ def test_stop_cancels_everything_in_flight(tiny):
     assert not sched.has_work and len(sched.done) == 4
     assert {r.status for r in sched.done} == {ev.REQ_CANCELLED}
     assert all(r.error.startswith("cancelled: engine stopped") for r in sched.done)
-    assert sched.runner.block_manager.num_used == 0 and sched.runner.ssm_pool.num_used == 0
+    assert sched.pools.blocks.num_used == 0 and sched.pools.ssm.num_used == 0

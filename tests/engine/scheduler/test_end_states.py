@@ -34,7 +34,7 @@ def store(tmp_path_factory):
     model, _, _ = load_model("tiny")
     db_path = tmp_path_factory.mktemp("end_states") / "telemetry.db"
     levers = defaults().replace(bisect_no_mix=True, max_prefill_tokens=32)
-    runner = ModelRunner(model, num_kv_blocks=18, num_ssm_slots=8, fault=ForwardFault.parse("4:prefill"))
+    runner = ModelRunner.build(model, num_kv_blocks=18, num_ssm_slots=8, fault=ForwardFault.parse("4:prefill"))
     writer = TelemetryWriter(db_path)
     writer.start_run(ev.RunStarted(started_at=0.0, model="tiny", device="cpu", config={}, model_config={},
                                    versions={}, workload={}, levers=levers.as_dict()))

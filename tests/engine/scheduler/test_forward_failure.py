@@ -67,7 +67,7 @@ def serve(model, levers, fault: ForwardFault | None, db_path=None):
     """The first wave (staggered so chunks mix with decodes), then 50 more requests."""
     rows: list = []
     writer = None
-    runner = ModelRunner(model, num_kv_blocks=256, num_ssm_slots=8, fault=fault)
+    runner = ModelRunner.build(model, num_kv_blocks=256, num_ssm_slots=8, fault=fault)
     sched = Scheduler(runner, levers.replace(max_prefill_tokens=32), emit=rows.append)
     if db_path is not None:
         writer = TelemetryWriter(db_path)
@@ -84,9 +84,9 @@ def serve(model, levers, fault: ForwardFault | None, db_path=None):
 
 def assert_pools_empty(sched: Scheduler) -> None:
     runner = sched.runner
-    runner.block_manager.check_invariants()
-    runner.ssm_pool.check_invariants()
-    assert runner.block_manager.num_used == 0 and runner.ssm_pool.num_used == 0, "leaked blocks or slots"
+    runner.pools.blocks.check_invariants()
+    runner.pools.ssm.check_invariants()
+    assert runner.pools.blocks.num_used == 0 and runner.pools.ssm.num_used == 0, "leaked blocks or slots"
 
 
 def failures(rows) -> list[ev.GenericEvent]:
@@ -177,18 +177,18 @@ def test_a_failing_decode_tick_ends_that_batch(tiny, baseline, tmp_path):
 
 
 def test_a_failing_first_token_sample_ends_only_its_request(tiny, monkeypatch):
-    from engine.scheduler import prefill_step
+    from engine.scheduler import sample
 
-    original = prefill_step.sample_first_token
+    original = sample.sample_first_token
 
     def flaky(logits, params, generator, *args):
         if params.max_tokens == 7:
             raise RuntimeError("sampler exploded")
         return original(logits, params, generator, *args)
 
-    monkeypatch.setattr(prefill_step, "sample_first_token", flaky)
+    monkeypatch.setattr(sample, "sample_first_token", flaky)
     rows: list = []
-    runner = ModelRunner(tiny, num_kv_blocks=128, num_ssm_slots=4)
+    runner = ModelRunner.build(tiny, num_kv_blocks=128, num_ssm_slots=4)
     sched = Scheduler(runner, defaults(), emit=rows.append)
     drive(sched, [(0, list(range(1, 30)), {"max_tokens": 5}), (1, list(range(3, 40)), {"max_tokens": 7}),
                   (2, list(range(5, 20)), {"max_tokens": 5})], stagger=2)

@@ -9,7 +9,7 @@ import torch
 
 from engine.model.loader import load_model
 from engine.model.runner import ModelRunner
-from engine.scheduler.decode_step import PREEMPT_FOR_PREFILL
+from engine.scheduler.endings import PREEMPT_FOR_PREFILL
 from engine.scheduler.loop import Scheduler
 from telemetry import events as ev
 from telemetry.levers import defaults
@@ -35,7 +35,7 @@ def make_requests(num: int, seed: int, *, max_len: int = 150, max_tokens: int = 
 def run(model, requests, levers=None, *, kv_blocks=1024, ssm_slots=16, stagger=0):
     """Run ``requests`` to completion; ``stagger`` submits one request every N ticks."""
     rows: list = []
-    runner = ModelRunner(model, num_kv_blocks=kv_blocks, num_ssm_slots=ssm_slots)
+    runner = ModelRunner.build(model, num_kv_blocks=kv_blocks, num_ssm_slots=ssm_slots)
     sched = Scheduler(runner, levers or defaults(), emit=rows.append)
     pending = list(requests)
     while pending or sched.has_work:
@@ -44,9 +44,9 @@ def run(model, requests, levers=None, *, kv_blocks=1024, ssm_slots=16, stagger=0
                 sched.submit(*pending.pop(0))
         if not sched.step() and pending:
             sched.submit(*pending.pop(0))
-    runner.block_manager.check_invariants()
-    runner.ssm_pool.check_invariants()
-    assert runner.block_manager.num_used == 0 and runner.ssm_pool.num_used == 0, "leaked blocks or slots"
+    runner.pools.blocks.check_invariants()
+    runner.pools.ssm.check_invariants()
+    assert runner.pools.blocks.num_used == 0 and runner.pools.ssm.num_used == 0, "leaked blocks or slots"
     return sched, rows
 
 
@@ -115,7 +115,7 @@ def test_newest_policy_picks_latest_admitted(tiny):
 
 
 def test_bad_requests_are_rejected_at_admission(tiny):
-    runner = ModelRunner(tiny, num_kv_blocks=64, num_ssm_slots=4)
+    runner = ModelRunner.build(tiny, num_kv_blocks=64, num_ssm_slots=4)
     rows: list = []
     sched = Scheduler(runner, defaults(), emit=rows.append)
     cases = {
@@ -136,11 +136,11 @@ def test_bad_requests_are_rejected_at_admission(tiny):
         assert request.status == ev.REQ_REJECTED, name
         assert field in request.error, (name, request.error)
     assert not sched.has_work and sched.step() is False
-    assert runner.block_manager.num_used == 0
+    assert runner.pools.blocks.num_used == 0
 
 
 def test_lever_change_applies_at_tick_boundary(tiny):
-    runner = ModelRunner(tiny, num_kv_blocks=512, num_ssm_slots=8)
+    runner = ModelRunner.build(tiny, num_kv_blocks=512, num_ssm_slots=8)
     rows: list = []
     sched = Scheduler(runner, defaults().replace(max_prefill_tokens=16), emit=rows.append)
     sched.submit(0, list(range(1, 30)), {"max_tokens": 60})
@@ -164,7 +164,7 @@ def test_prompt_longer_than_the_model_context_is_rejected(tiny, tmp_path):
 
     from engine.model.config import ModelConfig
 
-    runner = ModelRunner(tiny, num_kv_blocks=64, num_ssm_slots=2)
+    runner = ModelRunner.build(tiny, num_kv_blocks=64, num_ssm_slots=2)
     runner.config = dataclasses.replace(runner.config, max_position_embeddings=40)
     sched = Scheduler(runner, defaults())
     assert sched.submit(0, list(range(1, 45)), {}).error.startswith("prompt_tokens: 44 tokens do not fit")
@@ -176,12 +176,12 @@ def test_prompt_longer_than_the_model_context_is_rejected(tiny, tmp_path):
 
 def test_ssm_state_is_normalized_after_every_chunk_on_both_paths(tiny, monkeypatch):
     for levers in (defaults(), defaults().replace(bisect_no_mix=True)):
-        runner = ModelRunner(tiny, num_kv_blocks=256, num_ssm_slots=4)
+        runner = ModelRunner.build(tiny, num_kv_blocks=256, num_ssm_slots=4)
         calls: list[int] = []
-        original = runner.normalize_ssm_states
-        monkeypatch.setattr(runner, "normalize_ssm_states", lambda seq, *a: calls.append(seq.request_id) or original(seq))
         rows: list = []
         sched = Scheduler(runner, levers.replace(max_prefill_tokens=16), emit=rows.append)
+        original = sched.pools.normalize
+        monkeypatch.setattr(sched.pools, "normalize", lambda seq, *a: calls.append(seq.request_id) or original(seq))
         sched.submit(0, list(range(1, 20)), {"max_tokens": 30})
         for _ in range(3):
             sched.step()
@@ -215,7 +215,7 @@ def test_a_mixed_kv_fallback_chunk_counts_its_prefill_tokens(tiny):
 def test_midchunk_capture_keeps_the_tail_boundary_on_the_chunk_rows(tiny):
     from engine.scheduler.chunk_plan import ssm_tail_boundary
 
-    runner = ModelRunner(tiny, num_kv_blocks=128, num_ssm_slots=4)
+    runner = ModelRunner.build(tiny, num_kv_blocks=128, num_ssm_slots=4)
     rows: list = []
     levers = defaults().replace(ssm_tail_ckpt=True, ssm_tail_midchunk=True, max_prefill_tokens=64)
     sched = Scheduler(runner, levers, emit=rows.append, prefix_cache=True)
@@ -232,12 +232,11 @@ def test_midchunk_capture_keeps_the_tail_boundary_on_the_chunk_rows(tiny):
 def test_decode_rows_without_an_ssm_slot_sort_by_their_own_key():
     from types import SimpleNamespace
 
-    from engine.scheduler.decode_step import order_batch
+    from engine.scheduler.plan import decode_rows
 
     def request(request_id, slot):
         return SimpleNamespace(request_id=request_id, seq=SimpleNamespace(ssm_slot=slot))
 
-    sched = SimpleNamespace(active=[request(9, 3), request(2, None), request(5, 0), request(7, 1)])
+    active = [request(9, 3), request(2, None), request(5, 0), request(7, 1)]
     # By SSM slot; the row without one by its request id (2), not ahead of everything at -1.
-    assert [r.request_id for r in order_batch(sched)] == [5, 7, 2, 9]
-    assert [r.request_id for r in sched.active] == [5, 7, 2, 9]
+    assert [r.request_id for r in decode_rows(active)] == [5, 7, 2, 9]

@@ -39,21 +39,21 @@ def conversation_requests(num: int = 18, seed: int = 4) -> list[tuple[int, list[
 
 def run(model, levers, *, device="cpu", before_forward=None, observe=None):
     rows: list = []
-    runner = ModelRunner(model, num_kv_blocks=256, num_ssm_slots=6, device=device)
+    runner = ModelRunner.build(model, num_kv_blocks=256, num_ssm_slots=6, device=device)
     sched = Scheduler(runner, defaults().replace(max_prefill_tokens=32, **levers), emit=rows.append,
                       prefix_cache=True)
-    forward = runner.mixed_forward
+    forward = runner.forward
 
-    def instrumented(decode_seqs, decode_tokens, prefill_seq, *args, **kwargs):
-        if prefill_seq is not None and before_forward is not None:
+    def instrumented(batch):
+        if batch.prefill is not None and before_forward is not None:
             before_forward(sched)
         if observe is not None:
-            observe("forward", sched, rows, prefill=prefill_seq is not None)
-        return forward(decode_seqs, decode_tokens, prefill_seq, *args, **kwargs)
+            observe("forward", sched, rows, prefill=batch.prefill is not None)
+        return forward(batch)
 
-    runner.mixed_forward = instrumented
+    runner.forward = instrumented
     if observe is not None:
-        for owner, name in ((runner, "normalize_ssm_states"), (runner.ssm_pool, "snapshot")):
+        for owner, name in ((sched.pools, "normalize"), (sched.pools.ssm, "snapshot")):
             original = getattr(owner, name)
 
             def wrapped(*args, _original=original, _name=name, **kwargs):
@@ -66,7 +66,7 @@ def run(model, levers, *, device="cpu", before_forward=None, observe=None):
             sched.submit(*pending.pop(0))
         if not sched.step() and pending:
             sched.submit(*pending.pop(0))
-    assert runner.block_manager.num_used == 0 and runner.ssm_pool.num_used == 0
+    assert runner.pools.blocks.num_used == 0 and runner.pools.ssm.num_used == 0
     return {r.request_id: r.output_tokens for r in sched.done}, rows
 
 
@@ -90,7 +90,7 @@ def test_ssm_work_after_a_chunk_is_ordered_after_its_forward(tiny, name):
     assert {"snapshot_taken", "snapshot_restored"} <= kinds, "the workload must take and restore snapshots"
     wanted_path = ev.PATH_PREFILL if "plain" in name else ev.PATH_MIXED
     assert sum(c.path == wanted_path for c in chunks) > 5
-    normalizations = [s for s in seen if s[0] == "normalize_ssm_states"]
+    normalizations = [s for s in seen if s[0] == "normalize"]
     snapshots = [s for s in seen if s[0] == "snapshot"]
     assert len(normalizations) == len(chunks) and snapshots
     # Both read the state the chunk's forward wrote on the prefill stream: they run there.

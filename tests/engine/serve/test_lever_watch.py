@@ -62,7 +62,7 @@ def no_mtp_model(hf_checkpoint):
 def test_a_lever_the_engine_refuses_is_rejected_once_per_file_version(no_mtp_model, tmp_path):
     path = tmp_path / "levers.json"
     rows: list = []
-    sched = Scheduler(ModelRunner(no_mtp_model, num_kv_blocks=32, num_ssm_slots=2), defaults(), emit=rows.append)
+    sched = Scheduler(ModelRunner.build(no_mtp_model, num_kv_blocks=32, num_ssm_slots=2), defaults(), emit=rows.append)
     watcher = LeverWatcher(path, defaults())
     try:
         write_levers_file(path, 1, defaults().replace(speculation="mtp"))
@@ -84,7 +84,7 @@ def test_a_lever_the_engine_refuses_is_rejected_once_per_file_version(no_mtp_mod
 def test_a_file_that_fails_validation_is_rejected_once_until_it_changes(tiny, tmp_path):
     path = tmp_path / "levers.json"
     rows: list = []
-    sched = Scheduler(ModelRunner(tiny, num_kv_blocks=32, num_ssm_slots=2), defaults(), emit=rows.append)
+    sched = Scheduler(ModelRunner.build(tiny, num_kv_blocks=32, num_ssm_slots=2), defaults(), emit=rows.append)
     watcher = LeverWatcher(path, defaults())
     try:
         path.write_text('{"version": 3, "levers": {"max_prefill_tokens": -5}}')

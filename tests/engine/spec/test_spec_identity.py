@@ -31,7 +31,7 @@ def tiny():
 def serve(model, arrivals, levers, *, kv_blocks=256, block_size=16):
     """``arrivals``: tick -> [(request_id, prompt, sampling)]; returns ({id: (status, tokens)}, rows)."""
     rows: list = []
-    runner = ModelRunner(model, num_kv_blocks=kv_blocks, num_ssm_slots=4, block_size=block_size)
+    runner = ModelRunner.build(model, num_kv_blocks=kv_blocks, num_ssm_slots=4, block_size=block_size)
     sched = Scheduler(runner, levers, emit=rows.append)
     pending = dict(arrivals)
     while pending or sched.has_work:
@@ -39,9 +39,9 @@ def serve(model, arrivals, levers, *, kv_blocks=256, block_size=16):
             sched.submit(*request)
         if not sched.step() and pending:
             sched.tick = min(pending)
-    runner.block_manager.check_invariants()
-    runner.ssm_pool.check_invariants()
-    assert runner.block_manager.num_used == 0 and runner.ssm_pool.num_used == 0, "leaked blocks or slots"
+    runner.pools.blocks.check_invariants()
+    runner.pools.ssm.check_invariants()
+    assert runner.pools.blocks.num_used == 0 and runner.pools.ssm.num_used == 0, "leaked blocks or slots"
     return {r.request_id: (r.status, list(r.output_tokens)) for r in sched.done}, rows
 
 

@@ -15,7 +15,8 @@ from engine.model.loader import load_model
 from engine.model.runner import ModelRunner
 from engine.scheduler.loop import Scheduler
 from engine.scheduler.sampling import SamplingParams, sample_next
-from engine.spec import spec_step, verify
+from engine.scheduler import spec_step
+from engine.spec import verify
 from engine.spec.spec_support import speculation_rejection
 from telemetry import events as ev
 from telemetry.levers import defaults
@@ -38,7 +39,7 @@ def repetitive_prompt(seed: int, length: int = 40) -> list[int]:
 def run(model, arrivals, levers, *, kv_blocks=256, prefix_cache=False):
     """``arrivals``: tick -> [(request_id, prompt, sampling)]; runs everything to completion."""
     rows: list = []
-    runner = ModelRunner(model, num_kv_blocks=kv_blocks, num_ssm_slots=4)
+    runner = ModelRunner.build(model, num_kv_blocks=kv_blocks, num_ssm_slots=4)
     sched = Scheduler(runner, levers, emit=rows.append, prefix_cache=prefix_cache)
     pending = dict(arrivals)
     while pending or sched.has_work:
@@ -46,9 +47,9 @@ def run(model, arrivals, levers, *, kv_blocks=256, prefix_cache=False):
             sched.submit(*request)
         if not sched.step() and pending:
             sched.tick = min(pending)  # idle: jump to the next arrival
-    runner.block_manager.check_invariants()
-    runner.ssm_pool.check_invariants()
-    assert runner.block_manager.num_used == 0 and runner.ssm_pool.num_used == 0, "leaked blocks or slots"
+    runner.pools.blocks.check_invariants()
+    runner.pools.ssm.check_invariants()
+    assert runner.pools.blocks.num_used == 0 and runner.pools.ssm.num_used == 0, "leaked blocks or slots"
     return {r.request_id: r.output_tokens for r in sched.done}, rows
 
 
@@ -117,9 +118,9 @@ def test_verify_then_keep_leaves_the_caches_of_plain_decodes(tiny, num_kept):
     tokens = [11, 22, 33, 44]  # fed token, then three drafts; keep the first num_kept rows
 
     def prefilled():
-        runner = ModelRunner(tiny, num_kv_blocks=64, num_ssm_slots=2, block_size=4)
+        runner = ModelRunner.build(tiny, num_kv_blocks=64, num_ssm_slots=2, block_size=4)
         seq = SimpleNamespace(request_id=0, block_table=[], ssm_slot=None, num_cached_tokens=0, mtp_hidden=None)
-        runner.admit(seq)
+        runner.pools.admit(seq)
         runner.prefill_chunk(seq, prompt, 0, len(prompt), True)
         return runner, seq
 
@@ -131,18 +132,18 @@ def test_verify_then_keep_leaves_the_caches_of_plain_decodes(tiny, num_kept):
     assert verified.logits.shape == (4, spec.vocab_size) and verified.start == start
     for row in range(num_kept):
         torch.testing.assert_close(verified.logits[row], decode_logits[row], rtol=1e-4, atol=1e-4)
-    assert spec.block_manager.num_used == spec.block_manager.num_blocks_for(start + 4)
-    verify.keep(spec, seq_b, verified, num_kept)
+    assert spec.pools.blocks.num_used == spec.pools.blocks.num_blocks_for(start + 4)
+    verify.keep(spec.pools, seq_b, verified, num_kept)
     assert seq_b.num_cached_tokens == seq_a.num_cached_tokens == start + num_kept
     assert len(seq_b.block_table) == len(seq_a.block_table)
-    assert spec.block_manager.num_used == plain.block_manager.num_used  # the rejected-only block is free
-    torch.testing.assert_close(spec.ssm_pool.recurrent[:, seq_b.ssm_slot],
-                               plain.ssm_pool.recurrent[:, seq_a.ssm_slot], rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(spec.ssm_pool.conv[:, seq_b.ssm_slot], plain.ssm_pool.conv[:, seq_a.ssm_slot])
+    assert spec.pools.blocks.num_used == plain.pools.blocks.num_used  # the rejected-only block is free
+    torch.testing.assert_close(spec.pools.ssm.recurrent[:, seq_b.ssm_slot],
+                               plain.pools.ssm.recurrent[:, seq_a.ssm_slot], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(spec.pools.ssm.conv[:, seq_b.ssm_slot], plain.pools.ssm.conv[:, seq_a.ssm_slot])
     torch.testing.assert_close(spec.decode([seq_b], [77]), plain.decode([seq_a], [77]), rtol=1e-4, atol=1e-4)
-    spec.block_manager.check_invariants()
+    spec.pools.blocks.check_invariants()
     with pytest.raises(ValueError, match="at least the fed token"):
-        verify.keep(spec, seq_b, verified, 0)
+        verify.keep(spec.pools, seq_b, verified, 0)
 
 
 def _one_hot_rows(picks, vocab):
@@ -158,20 +159,20 @@ def _one_hot_rows(picks, vocab):
     ([8], [8, 3], [8, 3]),
 ])
 def test_greedy_acceptance_rule(tiny, drafts, picks, expected):
-    sched = Scheduler(ModelRunner(tiny, num_kv_blocks=8, num_ssm_slots=1), NGRAM)
+    sched = Scheduler(ModelRunner.build(tiny, num_kv_blocks=8, num_ssm_slots=1), NGRAM)
     req = sched.submit(0, [1, 2, 3], {"max_tokens": 8})
-    assert spec_step.accept(sched, req, _one_hot_rows(picks, tiny.config.vocab_size), drafts) == expected
+    assert spec_step.accept(sched.context(), req, _one_hot_rows(picks, tiny.config.vocab_size), drafts) == expected
 
 
 def test_sampled_acceptance_draws_once_per_emitted_token_in_order(tiny):
-    sched = Scheduler(ModelRunner(tiny, num_kv_blocks=8, num_ssm_slots=1), NGRAM)
+    sched = Scheduler(ModelRunner.build(tiny, num_kv_blocks=8, num_ssm_slots=1), NGRAM)
     req = sched.submit(0, [1, 2, 3], {"max_tokens": 8, "temperature": 1.0, "seed": 4})
     logits = torch.randn(5, tiny.config.vocab_size, generator=torch.Generator().manual_seed(0)) * 3
     twin = torch.Generator().manual_seed(4)
     params = SamplingParams(temperature=1.0, max_tokens=8, seed=4)
     reference = [int(sample_next(logits[i:i + 1], [params], [twin], [i], sched.eos_ids)[0]) for i in range(2)]
     # Drafts that agree with the first pick only: accept one, emit the second pick, stop.
-    emitted = spec_step.accept(sched, req, logits, [reference[0], (reference[1] + 1) % 256, 0, 0])
+    emitted = spec_step.accept(sched.context(), req, logits, [reference[0], (reference[1] + 1) % 256, 0, 0])
     assert emitted == reference
     assert torch.equal(req.generator.get_state(), twin.get_state()), "one draw per emitted token"
 
@@ -223,7 +224,7 @@ def test_dropped_drafts_leave_nothing_pending(tiny):
     _, alone = run(tiny, {0: [a]}, NGRAM)
     t = min(r.tick for r in spec_rows(alone) if r.detail["reused_pending"])
     rows: list = []
-    runner = ModelRunner(tiny, num_kv_blocks=256, num_ssm_slots=4)
+    runner = ModelRunner.build(tiny, num_kv_blocks=256, num_ssm_slots=4)
     sched = Scheduler(runner, NGRAM, emit=rows.append)
     pending = {0: [a], t: [b], t + 2: [c]}
     held = False
@@ -249,7 +250,7 @@ def no_mtp_model(hf_checkpoint):
 
 def test_mtp_is_rejected_without_an_mtp_module_and_the_previous_value_kept(no_mtp_model):
     rows: list = []
-    sched = Scheduler(ModelRunner(no_mtp_model, num_kv_blocks=8, num_ssm_slots=1), NGRAM, emit=rows.append)
+    sched = Scheduler(ModelRunner.build(no_mtp_model, num_kv_blocks=8, num_ssm_slots=1), NGRAM, emit=rows.append)
     changes = sched.apply_levers(sched.levers.replace(speculation="mtp", kv_blocks_cap=6), source="file", version=3)
     assert sched.levers.speculation == "ngram" and sched.levers.kv_blocks_cap == 6
     assert changes == {"kv_blocks_cap": (0, 6)}
@@ -266,7 +267,7 @@ def test_mtp_is_rejected_without_an_mtp_module_and_the_previous_value_kept(no_mt
 
 def test_unsupported_kind_at_start_falls_back_to_off(no_mtp_model):
     rows: list = []
-    sched = Scheduler(ModelRunner(no_mtp_model, num_kv_blocks=8, num_ssm_slots=1),
+    sched = Scheduler(ModelRunner.build(no_mtp_model, num_kv_blocks=8, num_ssm_slots=1),
                       defaults().replace(speculation="mtp"), emit=rows.append)
     assert sched.levers.speculation == "off"
     assert [(r.name, r.status, r.source) for r in rows if isinstance(r, ev.LeverChange)] == \

@@ -1,0 +1,79 @@
+"""Stage 2 of a tick: the plan, decided on values before anything runs (pure: no forward, no event).
+
+A chunk tick advances the prefilling request by one chunk: its length and the cap rule that set it
+(``chunk_plan.plan_chunk``), whether it fuses with the decodes and what blocked that
+(``mixing.can_mix``), the drafts a fused forward drops (``mixing.plan_draft_drop``), where the SSM
+state is captured inside it, and the fused decode rows. A decode tick runs the decode batch,
+its rows in SSM-slot order (``mixing.decode_order``). After a plain chunk the decodes are owed
+the next tick, so a blocked mix (``bisect_no_mix``, speculation) never starves the running
+sequences. A new cap rule is one more input of ``plan_chunk``; a per-request encoder step would
+be one more field of ``ChunkStep``.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.cache.pools import CachePools
+from engine.scheduler import prefix_step
+from engine.scheduler.chunk_plan import ChunkPlan, plan_chunk
+from engine.scheduler.context import TickContext
+from engine.scheduler.mixing import DraftDrop, MixVerdict, can_mix, decode_order, plan_draft_drop
+from engine.scheduler.queues import Queues
+from engine.scheduler.request import Request
+from telemetry import events as ev
+
+KIND_CHUNK = "chunk"     # a prefill chunk, fused with the decode rows or plain
+KIND_DECODE = "decode"
+KIND_IDLE = "idle"       # nothing to run: no tick is counted
+
+
+@dataclass(frozen=True)
+class ChunkStep:
+    request: Request
+    chunk: ChunkPlan                 # length, is_last, the cap rule that set it, the SSM tail boundary
+    verdict: MixVerdict              # may it fuse with the decodes; the first blocker when not
+    drop: DraftDrop | None           # what a fused forward does with pending drafts (None: no fused forward)
+    capture_at: int | None           # SSM state captured inside the chunk (ssm_tail_midchunk), else None
+
+
+@dataclass(frozen=True)
+class TickPlan:
+    kind: str
+    chunk: ChunkStep | None = None
+    decode_rows: tuple[Request, ...] = ()   # the decode batch in row order (a chunk tick: the fused rows)
+
+
+IDLE = TickPlan(KIND_IDLE)
+
+
+def plan_tick(ctx: TickContext, queues: Queues, pools: CachePools) -> TickPlan:
+    """What this tick runs (after admission)."""
+    req, active = queues.prefilling, queues.active
+    decodes_owed = ctx.last_path == ev.PATH_PREFILL and bool(active)
+    if req is None and not active:
+        return IDLE
+    if req is None or decodes_owed:
+        return TickPlan(KIND_DECODE, decode_rows=tuple(decode_rows(active)))
+    levers, traits = ctx.levers, ctx.traits
+    chunk = plan_chunk(
+        prompt_len=req.prompt_len, offset=req.chunk_offset, max_prefill_tokens=levers.max_prefill_tokens,
+        slice_budget=levers.slice_budget if levers.always_mixed else None, is_mla=traits.is_mla,
+        block_size=traits.block_size, ssm_tail_ckpt=levers.ssm_tail_ckpt, ssm_tail_midchunk=levers.ssm_tail_midchunk,
+        tail_split=traits.prefill_tail_split(req.prompt_tokens))
+    verdict = can_mix(bisect_no_mix=levers.bisect_no_mix, num_active=len(active), is_ep=traits.is_ep,
+                      speculation=levers.speculation)
+    capture_at = prefix_step.capture_point(
+        levers, prefix_on=pools.prefix is not None, has_linear_attention=traits.has_linear_attention,
+        block_size=traits.block_size, prompt_len=req.prompt_len, offset=req.chunk_offset, length=chunk.length)
+    if not verdict.can_mix:
+        return TickPlan(KIND_CHUNK, ChunkStep(req, chunk, verdict, None, capture_at))
+    drop = plan_draft_drop(levers.speculation, [len(a.pending_drafts) for a in active])
+    return TickPlan(KIND_CHUNK, ChunkStep(req, chunk, verdict, drop, capture_at), tuple(decode_rows(active)))
+
+
+def decode_rows(active: Sequence[Request]) -> list[Request]:
+    """The decode batch in row order (``mixing.decode_order``: by SSM slot, a sequence without one by
+    its request id)."""
+    order = decode_order([a.seq.ssm_slot for a in active], [a.request_id for a in active])
+    return [active[i] for i in order]
