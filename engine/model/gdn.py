@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.cache.ssm_pool import SSMPool
-from engine.kernels import custom_ops, gdn_step, native
+from engine.kernels import custom_ops, gdn_step
 from engine.model.batch import PackedBatch
 from engine.model.config import ModelConfig
 from engine.model.gdn_rule import CHUNK_SIZE, chunked_gated_delta_rule, recurrent_gated_delta_step
@@ -79,8 +79,6 @@ class GatedDeltaNet(nn.Module):
         self.fused_out: FusedLinear | None = None
         self.decay_rate: tuple[torch.Tensor, torch.Tensor] | None = None  # (-exp(A_log), dt_bias), fuse()
         self.conv_weight: torch.Tensor | None = None  # [conv_dim, K] view of the conv weight, fuse()
-        # bf16 layers: float32 copies of the conv and norm weights for the native (float32) decode step, fuse()
-        self.native_weights: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def fuse(self) -> None:
         """One GEMM for the four input projections (qkv, z, b, a)."""
@@ -91,8 +89,6 @@ class GatedDeltaNet(nn.Module):
         self.decay_rate = (-self.A_log.detach().float().exp(), self.dt_bias.detach().float())
         # A view (same storage): the per-forward slice + select of the parameter cost two dispatches.
         self.conv_weight = self.conv1d.weight.detach()[:, 0, :]
-        if self.conv_weight.dtype == torch.bfloat16:
-            self.native_weights = (self.conv_weight.float().contiguous(), self.norm.weight.detach().float())
 
     def _project(self, x: torch.Tensor):
         sizes = [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads]
@@ -137,19 +133,16 @@ class GatedDeltaNet(nn.Module):
                 mixed, z, b, a = mixed[split:], z[split:], b[split:], a[split:]
             rows = mixed  # [B, C]
             # The native step computes the gates and the output norm itself (fp32); a compiled graph
-            # calls it as a custom op on the whole pools. A bf16 layer's rows are widened for it.
-            wide_rows, wide_z, wide_b, wide_a, conv_weight, norm_weight = self._native_inputs(rows, z, b, a, weight)
+            # calls it as a custom op on the whole pools.
             if torch.compiler.is_compiling():
                 normed = custom_ops.gdn_decode_gated_traced(
-                    wide_rows, pool.conv, pool.recurrent, self.linear_index, conv_weight, group.ssm_slots, wide_a,
-                    wide_b, neg_rate, dt_bias, wide_z, norm_weight, self.norm.eps, self.num_k_heads, self.head_k_dim,
+                    rows, pool.conv, pool.recurrent, self.linear_index, weight, group.ssm_slots, a, b,
+                    neg_rate, dt_bias, z, self.norm.weight, self.norm.eps, self.num_k_heads, self.head_k_dim,
                     self.head_v_dim)
             else:
-                normed = gdn_step.decode_gated(wide_rows, conv_states, conv_weight, rec_states, group.ssm_slots,
-                                               wide_a, wide_b, neg_rate, dt_bias, wide_z, norm_weight, self.norm.eps,
-                                               self.num_k_heads, self.head_k_dim, self.head_v_dim)
-            if normed is not None and normed.dtype != rows.dtype:
-                normed = normed.to(rows.dtype)  # one rounding of the float32 step's output
+                normed = gdn_step.decode_gated(rows, conv_states, weight, rec_states, group.ssm_slots, a,
+                                               b, neg_rate, dt_bias, z, self.norm.weight,
+                                               self.norm.eps, self.num_k_heads, self.head_k_dim, self.head_v_dim)
             if normed is None:
                 g_rows, beta_rows = self._gates(a, b, neg_rate, dt_bias)  # [B, Hv] each
                 out = gdn_step.decode(rows, conv_states, weight, rec_states, group.ssm_slots, g_rows, beta_rows,
@@ -162,18 +155,6 @@ class GatedDeltaNet(nn.Module):
 
         core = torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]  # [T, value_dim]
         return self.fused_out(core) if self.fused_out is not None else self.out_proj(core)
-
-    def _native_inputs(self, rows, z, b, a, weight):
-        """The fused native decode step's inputs: (rows, z, b, a, conv weight, norm weight).
-
-        It computes in float32 on the float32 pools: a bf16 layer's projections are widened for it
-        and the caller rounds its output back to bf16 once (5 conversions, against ~25 torch ops of
-        the tensor path, which rounds the conv and the norm to bf16 on the way: the native step is
-        the more precise). Other dtypes pass as they are (the step declines what it does not take).
-        """
-        if rows.dtype == torch.bfloat16 and self.native_weights is not None and native.enabled():
-            return (rows.float(), z.float(), b.float(), a.float(), *self.native_weights)
-        return rows, z, b, a, weight, self.norm.weight
 
     @staticmethod
     def _gates(a: torch.Tensor, b: torch.Tensor, neg_rate: torch.Tensor,
