@@ -16,6 +16,23 @@ MAX_WAITING = 3
 SSM_SLOTS = 2
 
 
+def started_server(run_dir: Path, *args: str) -> Server:
+    """``serve --workload none --api-port P *args`` on a free port, once its /health answers (a
+    ``--workload`` in ``args`` wins: argparse keeps the last)."""
+    port = free_port()
+    proc = start_serve(run_dir, "--workload", "none", "--api-port", str(port), *args)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy():
+        try:
+            return httpx.get(f"{url}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(healthy, "the API's /health", proc)
+    return Server(url, run_dir, proc)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
