@@ -15,6 +15,12 @@ every token is one server-sent event) arriving at the same times:
 - API (thread), with ``--thread-side``: the API side again with ``--no-api-process`` (the HTTP
   server as a thread of the engine, sharing its GIL), to show what the frontend process buys.
 
+A share of the requests (``--n4-share``, default 1 in 4) asks for ``n = 4`` sampled choices
+(seeded): the API fans each out into 4 sibling engine requests sharing the prompt through the
+prefix cache; the in-process side feeds the same 4 siblings (``features.n`` / ``choice``, seeds
+seed + i), so both sides run the same engine requests. TTFT of an n = 4 request is its first
+choice's first token on both sides.
+
 Printed: each round as it ends, with the machine's load average (1 min) then; then the
 medians of interleaved rounds: output tokens/s over first arrival .. last finish and TTFT p50
 on both sides (in-process TTFT counts from when a request was due, as the client's clock
@@ -23,7 +29,8 @@ API adds (target <= 5 ms), and the CPU seconds of the engine, of its frontend pr
 of the client: on a machine with fewer free cores than engine + frontend + clients need, the
 wall-clock ratio measures CPU share, and tokens per engine CPU-second isolates what the API costs.
 
-    python bench/api.py [--clients 64] [--max-tokens 64] [--rate 24] [--rounds 3] [--seed 0] [--thread-side]
+    python bench/api.py [--clients 64] [--max-tokens 64] [--rate 24] [--rounds 3] [--seed 0] [--n4-share 0.25]
+                        [--thread-side]
 """
 from __future__ import annotations
 
@@ -53,19 +60,41 @@ MEASURED_START_S = 1.0      # measured arrivals start here (after the warm-up re
 
 
 
+N_CHOICES = 4               # the n of the requests that ask for several choices
+
+
 def arrivals(args) -> list[dict]:
-    """Warm-up requests at t=0, then ``clients`` Poisson arrivals at ``rate``/s."""
+    """Warm-up requests at t=0, then ``clients`` Poisson arrivals at ``rate``/s; every request whose
+    index falls on the ``n4_share`` grid asks for 4 seeded choices, the rest for one greedy one."""
     rng = random.Random(args.seed)
     t, out = MEASURED_START_S, []
     for i in range(WARMUP + args.clients):
         if i >= WARMUP:
             t += rng.expovariate(args.rate)
         prompt = [rng.randrange(32, 127) for _ in range(rng.randint(16, 64))]
-        out.append({"request_id": i, "arrival_s": 0.05 * i if i < WARMUP else t, "prompt_tokens": prompt,
-                    "sampling": {"temperature": 0.0, "max_tokens": args.max_tokens,
-                                 "min_tokens": args.max_tokens, "seed": None},
-                    "features": {"source": "workload", "logprobs": 0}})
+        n = N_CHOICES if i >= WARMUP and args.n4_share and int((i - WARMUP) * args.n4_share) != int(
+            (i - WARMUP - 1) * args.n4_share) else 1
+        sampling = {"temperature": 0.0 if n == 1 else 1.0, "max_tokens": args.max_tokens,
+                    "min_tokens": args.max_tokens, "seed": None if n == 1 else 1000 + i}
+        out.append({"request_id": i, "arrival_s": 0.05 * i if i < WARMUP else t, "prompt_tokens": prompt, "n": n,
+                    "sampling": sampling, "features": {"source": "workload", "logprobs": 0}})
     return out
+
+
+def engine_requests(specs: list[dict]) -> tuple[list[dict], dict[int, int]]:
+    """The workload lines the engine runs for ``specs`` (an n = 4 request is 4 siblings with
+    consecutive ids and seeds seed + i, as the API submits them), and engine id -> spec id."""
+    lines, group_of = [], {}
+    for spec in specs:
+        for choice in range(spec["n"]):
+            request_id = len(lines)
+            seed = spec["sampling"]["seed"]
+            sampling = {**spec["sampling"], "seed": None if seed is None else seed + choice}
+            features = {**spec["features"], "n": spec["n"], "choice": choice}
+            lines.append({"request_id": request_id, "arrival_s": spec["arrival_s"],
+                          "prompt_tokens": spec["prompt_tokens"], "sampling": sampling, "features": features})
+            group_of[request_id] = spec["request_id"]
+    return lines, group_of
 
 
 def client_loop():
@@ -102,8 +131,9 @@ def frontend_cpu_s(engine_pid: int) -> float:
 
 
 def serve(run_dir: Path, args, *extra: str) -> subprocess.Popen:
+    num_requests = args.clients + WARMUP + (N_CHOICES - 1) * int(args.clients * args.n4_share + 1)
     command = [sys.executable, "-m", "engine", "serve", "--model", "tiny", "--run-dir", str(run_dir),
-               "--ssm-slots", str(max(64, args.clients + WARMUP)), "--kv-blocks", "2048", *extra]
+               "--ssm-slots", str(max(64, num_requests)), "--kv-blocks", "2048", *extra]
     log = open(run_dir / "serve.log", "w")
     return subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
 
@@ -125,7 +155,7 @@ async def one_client(url: str, spec: dict, t0: float, out: dict) -> None:
     await asyncio.sleep(max(0.0, t0 + spec["arrival_s"] - time.perf_counter()))
     sent = time.perf_counter()
     body = json.dumps({"model": "tiny", "prompt": spec["prompt_tokens"], "stream": True, "logprobs": 0,
-                       "stream_options": {"include_usage": True}, **spec["sampling"]}).encode()
+                       "n": spec["n"], "stream_options": {"include_usage": True}, **spec["sampling"]}).encode()
     reader, writer = await asyncio.open_connection(host, int(port))
     connected = time.perf_counter()
     writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
@@ -198,7 +228,8 @@ def api_side(args, specs: list[dict], run_dir: Path, *mode: str) -> dict:
 
 def in_process_side(args, specs: list[dict], run_dir: Path) -> dict:
     workload = run_dir / "workload.jsonl"
-    workload.write_text("".join(json.dumps(s) + "\n" for s in specs))
+    lines, group_of = engine_requests(specs)
+    workload.write_text("".join(json.dumps(line) + "\n" for line in lines))
     cpu_before = children_cpu_s()
     proc = serve(run_dir, args, "--workload", f"bundle:{workload}")
     if proc.wait(timeout=600) != 0:
@@ -206,17 +237,24 @@ def in_process_side(args, specs: list[dict], run_dir: Path) -> dict:
     conn = sqlite3.connect(f"file:{run_dir / 'telemetry.db'}?mode=ro", uri=True)
     origin = conn.execute("SELECT arrival_ns FROM requests WHERE request_id = 0").fetchone()[0]
     rows = conn.execute("SELECT request_id, first_token_ns, finished_ns, output_len FROM requests "
-                        "WHERE request_id >= ? AND status = 'finished'", [WARMUP]).fetchall()
+                        "WHERE status = 'finished'").fetchall()
     conn.close()
-    if len(rows) != args.clients:
-        raise SystemExit(f"in-process run finished {len(rows)} of {args.clients} requests")
+    groups: dict[int, list] = {}
+    for request_id, first, finished, output_len in rows:
+        if group_of[request_id] >= WARMUP:
+            groups.setdefault(group_of[request_id], []).append((first, finished, output_len))
+    expected = sum(s["n"] for s in specs[WARMUP:])
+    if sum(len(g) for g in groups.values()) != expected:
+        raise SystemExit(f"in-process run finished {sum(len(g) for g in groups.values())} of {expected} requests")
     # Time from when each request was due (the feed submits it at the next tick boundary after
-    # that, as the API's inbox does), like the client's clock starts when it sends.
+    # that, as the API's inbox does), like the client's clock starts when it sends; an n = 4
+    # request's first token is its first choice's, as the client sees it.
     due = {s["request_id"]: origin + s["arrival_s"] * 1e9 for s in specs}
-    span = (max(r[2] for r in rows) - min(due[r[0]] for r in rows)) / 1e9
-    return {"tokens_s": sum(r[3] for r in rows) / span,
-            "ttft_p50_ms": statistics.median((r[1] - due[r[0]]) / 1e6 for r in rows), "span_s": span,
-            "engine_cpu_s": children_cpu_s() - cpu_before, "frontend_cpu_s": 0.0, "client_cpu_s": 0.0}
+    span = (max(f for g in groups.values() for _, f, _ in g) - min(due[k] for k in groups)) / 1e9
+    return {"tokens_s": sum(o for g in groups.values() for _, _, o in g) / span,
+            "ttft_p50_ms": statistics.median((min(t for t, _, _ in g) - due[k]) / 1e6 for k, g in groups.items()),
+            "span_s": span, "engine_cpu_s": children_cpu_s() - cpu_before, "frontend_cpu_s": 0.0,
+            "client_cpu_s": 0.0}
 
 
 def main() -> int:
@@ -228,14 +266,19 @@ def main() -> int:
                              "queue on 2 cores, so TTFT measures the path, not the backlog)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per side (medians are printed)")
+    parser.add_argument("--n4-share", type=float, default=0.25,
+                        help="share of the requests that ask for n = 4 choices (0: all n = 1)")
     parser.add_argument("--thread-side", action="store_true",
                         help="also run the API with --no-api-process (the HTTP server as a thread of the engine)")
     args = parser.parse_args()
     if not 1 <= args.clients <= 256:
         parser.error("--clients must be in [1, 256]")
+    if not 0.0 <= args.n4_share <= 1.0:
+        parser.error("--n4-share must be in [0, 1]")
     specs = arrivals(args)
     print(f"# bench/api.py on {cpu_model()} ({os.cpu_count()} CPUs, load average {load()} at start): "
-          f"{args.clients} streaming clients, {args.max_tokens} tokens each, arrivals at {args.rate}/s, tiny model")
+          f"{args.clients} streaming clients ({sum(s['n'] > 1 for s in specs)} of them n = {N_CHOICES}), "
+          f"{args.max_tokens} tokens per choice, arrivals at {args.rate}/s, tiny model")
     runs = [("in-process", in_process_side), ("API (process)", api_side)]
     if args.thread_side:
         runs.append(("API (thread)", lambda *a: api_side(*a, "--no-api-process")))

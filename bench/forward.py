@@ -27,8 +27,14 @@ spread of both are printed beside it, so one noisy probe (read bandwidth moved 1
 between two runs a minute apart) cannot move the share by itself.
 
     python bench/forward.py [--models tiny,smol] [--rounds 3] [--steps 4] [--threads 1]
-                            [--dtype auto|float32|bfloat16] [--no-hf] [--clock wall|cpu] [--no-prepack]
-                            [--no-decode-prepack] [--compile off|on] [--json]
+                            [--dtype auto|float32|bfloat16[,...]] [--isa auto|avx2|avx512[,...]] [--no-hf]
+                            [--clock wall|cpu] [--no-prepack] [--no-decode-prepack] [--compile off|on] [--json]
+
+Rows per **ISA and dtype**: ``--isa`` lists the native-kernel variants to run (engine/kernels/native.py;
+``auto`` is the one this CPU gets; ``avx2,avx512`` on an AVX-512 machine adds the forced-AVX2 row),
+``--dtype`` the dtypes (``float32,bfloat16``); every combination is a block of rows, tagged ``isa``
+and ``dtype`` in the JSON. The first line printed names the CPU model, its ISA flags and the dtype
+``auto`` resolves to here.
 
 ``--compile on`` runs our decode rows through the engine's compiled decode step (inductor on CPU,
 ``engine/model/compiled_decode.py``), compiled before the first round (the time is printed and goes
@@ -50,6 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from engine.kernels import native  # noqa: E402
 from engine.model.compiled_decode import CompileSettings, bucket_for, resolve_compile, use_persistent_cache  # noqa: E402
 from engine.model.config import ModelConfig  # noqa: E402
 from engine.model.cpu_features import cpu_flags, cpu_model, isa_summary, resolve_dtype  # noqa: E402
@@ -248,8 +255,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
     parser.add_argument("--steps", type=int, default=4, help="decode steps per batch size per round")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (both sides)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                        help="auto: bfloat16 where the CPU has AMX or AVX512-BF16, else float32 (the engine's default)")
+    parser.add_argument("--dtype", default="auto",
+                        help="comma list of auto, float32, bfloat16 (auto: bfloat16 where the CPU has AMX or "
+                             "AVX512-BF16, else float32: the engine's default)")
+    parser.add_argument("--isa", default="auto",
+                        help=f"comma list of native-kernel variants: auto (this CPU's), {', '.join(native.VARIANTS)}")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object on stdout (the table goes to stderr)")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
@@ -278,8 +288,16 @@ def main() -> None:
     global print
     if args.json:
         print = functools.partial(builtins.print, file=sys.stderr)
-    dtype, flags = resolve_dtype(args.dtype), cpu_flags()
-    print(f"cpu={cpu_model()} ({isa_summary(flags)}) threads={torch.get_num_threads()} dtype={dtype} "
+    flags = cpu_flags()
+    try:
+        dtypes = [resolve_dtype(choice) for choice in args.dtype.split(",")]
+        isas = [native.variant_name(flags, choice) for choice in args.isa.split(",")]
+    except ValueError as error:
+        parser.error(str(error))
+    if args.compile == "on" and len(isas) > 1:
+        parser.error("--compile on takes one --isa per run: the C++ operators load once per process")
+    print(f"cpu={cpu_model()} flags=({isa_summary(flags)}) auto dtype={resolve_dtype('auto', flags)} "
+          f"threads={torch.get_num_threads()} dtypes={','.join(dtypes)} kernel isas={','.join(isas)} "
           f"rounds={args.rounds} steps={args.steps} clock={args.clock}")
     names = args.models.split(",")
     for name in names:
@@ -288,11 +306,20 @@ def main() -> None:
     compile = resolve_compile(args.compile, "cpu")
     if compile is not None:
         use_persistent_cache(cache_root() / "inductor")
-    rows = [row for name in names
-            for row in bench_model(name, getattr(torch, dtype), args.rounds, args.steps, not args.no_hf, compile)]
+    rows = []
+    for dtype in dtypes:
+        for isa in isas:
+            native.ISA = isa
+            reason = native.why_unavailable(flags, native.compiler(), isa)
+            print(f"--- dtype {dtype}, kernel isa {isa}" + (f" (native kernels unavailable: {reason})" if reason else ""))
+            for name in names:
+                model_rows = bench_model(name, getattr(torch, dtype), args.rounds, args.steps, not args.no_hf, compile)
+                rows += [{**row, "dtype": dtype, "isa": isa} for row in model_rows]
     if args.json:
         builtins.print(json.dumps({"cpu": cpu_model(), "isa": isa_summary(flags), "threads": torch.get_num_threads(),
-                                   "dtype": dtype, "clock": args.clock, "compile": args.compile, "rows": rows}, indent=1))
+                                   "auto_dtype": resolve_dtype("auto", flags), "dtype": ",".join(dtypes),
+                                   "kernel_isas": isas, "clock": args.clock, "compile": args.compile,
+                                   "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

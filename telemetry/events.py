@@ -218,6 +218,7 @@ class RequestRecord(Event):
     grammar_kind: str | None = None         # json_object / json_schema / regex / choice / lark
     grammar_ready_tick: int | None = None   # tick its compile was seen done (a replay waits for it)
     grammar_valid: bool | None = None       # the ended output is a complete sentence of its grammar
+    grammar_approximations: str | None = None   # schema keywords a lenient compile ignored, comma-separated
 
 
 @dataclass

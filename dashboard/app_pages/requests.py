@@ -77,16 +77,27 @@ def render(ctx: RunContext) -> None:
 
 
 def grammar_marks(found):
-    """'json_schema ✓' / 'regex ✗' / 'choice …' (in flight) per row; empty for requests without a grammar."""
+    """'json_schema ✓' / 'regex ✗' / 'choice …' (in flight) per row, then '✂' when max_tokens cut the
+    output before its grammar ended and '≈ keywords' when a lenient compile ignored schema keywords;
+    empty for requests without a grammar."""
     if "grammar_kind" not in found:
         return ""
-    return [mark(kind, valid) for kind, valid in zip(found["grammar_kind"], found["grammar_valid"])]
+    reasons = found["finish_reason"] if "finish_reason" in found else [None] * len(found)
+    ignored = found["grammar_approximations"] if "grammar_approximations" in found else [None] * len(found)
+    return [mark(kind, valid, reason, approx)
+            for kind, valid, reason, approx in zip(found["grammar_kind"], found["grammar_valid"], reasons, ignored)]
 
 
-def mark(kind, valid) -> str:
+def mark(kind, valid, finish_reason=None, approximations=None) -> str:
     if not isinstance(kind, str) or not kind:
         return ""
-    return kind + {1: " ✓", 0: " ✗"}.get(None if valid is None or valid != valid else int(valid), " …")
+    valid = None if valid is None or valid != valid else int(valid)
+    text = kind + {1: " ✓", 0: " ✗"}.get(valid, " …")
+    if valid == 0 and finish_reason == "length":
+        text += " ✂"
+    if isinstance(approximations, str) and approximations:
+        text += " ≈ " + approximations.replace(",", ", ")
+    return text
 
 
 context.run_page(render)

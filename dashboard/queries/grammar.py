@@ -20,13 +20,21 @@ def _absent(exc: DataUnavailable) -> bool:
 
 
 def marks(db: Path, run_id: int, request_ids: list[int]) -> pd.DataFrame:
-    """request_id, grammar_kind, grammar_valid for the listed requests (empty without grammar columns)."""
+    """request_id, grammar_kind, grammar_valid and grammar_approximations (when the store has that
+    column) for the listed requests (empty without grammar columns)."""
     empty = pd.DataFrame(columns=["request_id", "grammar_kind", "grammar_valid"])
     if not request_ids:
         return empty
+    params = [run_id, *request_ids]
     try:
-        return query_df(db, f"SELECT request_id, grammar_kind, grammar_valid FROM requests WHERE run_id = ? "
-                            f"AND request_id IN ({placeholders(request_ids)})", [run_id, *request_ids])
+        return query_df(db, "SELECT request_id, grammar_kind, grammar_valid, grammar_approximations FROM requests "
+                            f"WHERE run_id = ? AND request_id IN ({placeholders(request_ids)})", params)
+    except DataUnavailable as exc:
+        if not _absent(exc):
+            raise
+    try:   # a store written before lenient compiles
+        return query_df(db, "SELECT request_id, grammar_kind, grammar_valid FROM requests "
+                            f"WHERE run_id = ? AND request_id IN ({placeholders(request_ids)})", params)
     except DataUnavailable as exc:
         if _absent(exc):
             return empty

@@ -110,18 +110,24 @@ class EngineBridge:
         tracked = self._tracked.get(request_id)
         if tracked is None or tracked.num_sent > 0 or self.channel is None:
             return
-        self.channel.send(Batch([self._new_tokens(tracked)], [], max(self._sent_counts[0], 0), self._num_drained))
+        prompt_logprobs = self._prompt_logprobs(tracked)
+        self.channel.send(Batch([self._new_tokens(tracked)], [], max(self._sent_counts[0], 0), self._num_drained,
+                                prompt_logprobs=prompt_logprobs))
 
     def publish(self, sched) -> None:
         """Send each API request's new tokens and its end, the queue snapshot and /metrics answers,
         as one message (a tick boundary)."""
         if self.channel is None or self.peer_lost:
             return
-        first, more, ended, done = [], [], [], []
+        first, more, ended, done, prompt_logprobs = [], [], [], [], {}
         for request_id, tracked in self._tracked.items():
             request = tracked.request
             if len(request.output_tokens) > tracked.num_sent:
-                (first if tracked.num_sent == 0 else more).append(self._new_tokens(tracked))
+                if tracked.num_sent == 0:
+                    prompt_logprobs.update(self._prompt_logprobs(tracked))
+                    first.append(self._new_tokens(tracked))
+                else:
+                    more.append(self._new_tokens(tracked))
             if request.finished_ns is not None:
                 ended.append((tracked.handle, request.status, request.finish_reason, request.error,
                               request.prompt_len, tracked.num_sent, request.first_token_rules))
@@ -129,11 +135,17 @@ class EngineBridge:
         counts = (len(sched.waiting), self._num_drained)
         metrics = {query_id: self._collect_metrics() for query_id in self._queries} if self._queries else {}
         if first or more or ended or metrics or counts != self._sent_counts:
-            self.channel.send(Batch(first + more, ended, *counts, metrics))
+            self.channel.send(Batch(first + more, ended, *counts, metrics, prompt_logprobs))
             self._sent_counts = counts
         self._queries = []
         for request_id in done:
             self._request_id_of.pop(self._tracked.pop(request_id).handle, None)
+
+    @staticmethod
+    def _prompt_logprobs(tracked: _Tracked) -> dict[int, list]:
+        """{handle: the prompt's logprobs} for a request that asked for them (sent with its first tokens)."""
+        request = tracked.request
+        return {tracked.handle: request.prompt_logprobs} if request.features.prompt_logprobs is not None else {}
 
     @staticmethod
     def _new_tokens(tracked: _Tracked) -> tuple[int, list[int], list]:

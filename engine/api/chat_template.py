@@ -16,7 +16,8 @@ import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-# Qwen3.5's conventions: ChatML turns, a think block opening the assistant's reply, tools
+# Qwen3.5's conventions: ChatML turns (any role other than assistant and tool, custom ones
+# included, is a turn of its own name), a think block opening the assistant's reply, tools
 # listed as JSON in the system turn and called in the XML form.
 BUILTIN_QWEN35_TEMPLATE = r"""
 {%- if tools %}
@@ -32,7 +33,7 @@ BUILTIN_QWEN35_TEMPLATE = r"""
 {%- endif %}
 {%- for message in messages %}
 {%- if message.role == 'system' and loop.first %}
-{%- elif message.role in ('user', 'system') %}
+{%- elif message.role not in ('assistant', 'tool') %}
 {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
 {%- elif message.role == 'assistant' %}
 {{- '<|im_start|>assistant\n' }}

@@ -1,8 +1,10 @@
 """The frontend's side of the bridge: handlers submit and cancel, the engine's messages reach them.
 
 Runs on the frontend's event loop only. Everything a handler sends in one loop turn leaves as
-one message; each ``Batch`` from the engine is handed out to the requests' queues at once.
-When the engine goes away every open request ends with an error (503) and new ones are refused.
+one message (so the n choices of one HTTP request reach the engine together, with consecutive
+request ids); each ``Batch`` from the engine is handed out to the requests' queues at once, as
+``(choice index, Tokens | Ended)``. When the engine goes away every open request ends with an
+error (503) and new ones are refused.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ class FrontendBridge:
         self.num_waiting = 0            # the scheduler's waiting queue, as of the engine's last message
         self._num_submitted = 0
         self._num_drained = 0           # submissions the engine has taken (the rest are on their way)
-        self._outboxes: dict[int, asyncio.Queue] = {}
+        self._outboxes: dict[int, tuple[asyncio.Queue, int]] = {}   # handle -> (its HTTP request's queue, choice)
         self._next_handle = 0
         self._pending: list[Any] = []
         self._write = None
@@ -44,23 +46,30 @@ class FrontendBridge:
         self._write = write
 
     # ---- handlers ---------------------------------------------------------------------
-    def submit(self, prompt_tokens: list[int], sampling: dict, features: RequestFeatures,
-               grammar: dict | None = None) -> tuple[int, asyncio.Queue]:
-        """Send a request to the engine; returns its handle and the queue its progress arrives in."""
+    def submit(self, requests: list[tuple[list[int], dict, RequestFeatures, dict | None]]
+               ) -> tuple[list[int], asyncio.Queue]:
+        """Send one HTTP request's engine requests (prompt tokens, sampling, features, grammar), all
+        or none; returns their handles and the one queue their progress arrives in."""
         if self.is_engine_gone:
             raise EngineGone(ENGINE_GONE)
         in_flight = self._num_submitted - self._num_drained
-        if self.num_waiting + in_flight >= self.max_waiting:
-            raise QueueFull(f"{self.num_waiting + in_flight} requests are waiting (--max-waiting {self.max_waiting})")
-        handle, self._next_handle = self._next_handle, self._next_handle + 1
-        self._outboxes[handle] = outbox = asyncio.Queue()
-        self._num_submitted += 1
-        self._send(Submit(handle, prompt_tokens, sampling, features, grammar))
-        return handle, outbox
+        if self.num_waiting + in_flight + len(requests) > self.max_waiting:
+            raise QueueFull(f"{self.num_waiting + in_flight} requests are waiting (--max-waiting {self.max_waiting})"
+                            + (f"; this one brings {len(requests)}" if len(requests) > 1 else ""))
+        outbox: asyncio.Queue = asyncio.Queue()
+        handles = []
+        for index, (prompt_tokens, sampling, features, grammar) in enumerate(requests):
+            handle, self._next_handle = self._next_handle, self._next_handle + 1
+            self._outboxes[handle] = (outbox, index)
+            self._num_submitted += 1
+            self._send(Submit(handle, prompt_tokens, sampling, features, grammar))
+            handles.append(handle)
+        return handles, outbox
 
-    def cancel(self, handle: int) -> None:
-        if self._outboxes.pop(handle, None) is not None and not self.is_engine_gone:
-            self._send(Cancel(handle))
+    def cancel(self, handles: list[int]) -> None:
+        for handle in handles:
+            if self._outboxes.pop(handle, None) is not None and not self.is_engine_gone:
+                self._send(Cancel(handle))
 
     async def metrics_families(self) -> list:
         """The engine's metric families (its counters and histograms), asked for at its next tick boundary."""
@@ -87,15 +96,15 @@ class FrontendBridge:
     # ---- engine messages --------------------------------------------------------------
     def on_batch(self, batch: Batch) -> None:
         self.num_waiting, self._num_drained = batch.num_waiting, batch.num_drained
-        outboxes = self._outboxes
+        outboxes, prompt_logprobs = self._outboxes, batch.prompt_logprobs
         for handle, token_ids, logprobs in batch.tokens:
-            outbox = outboxes.get(handle)
-            if outbox is not None:
-                outbox.put_nowait(Tokens(token_ids, logprobs))
+            target = outboxes.get(handle)
+            if target is not None:
+                target[0].put_nowait((target[1], Tokens(token_ids, logprobs, prompt_logprobs.get(handle))))
         for handle, *fields in batch.ended:
-            outbox = outboxes.pop(handle, None)
-            if outbox is not None:
-                outbox.put_nowait(Ended(*fields))
+            target = outboxes.pop(handle, None)
+            if target is not None:
+                target[0].put_nowait((target[1], Ended(*fields)))
         for query_id, families in batch.metrics.items():
             answer = self._queries.get(query_id)
             if answer is not None and not answer.done():
@@ -104,8 +113,8 @@ class FrontendBridge:
     def on_engine_gone(self) -> None:
         """Every open request ends with an error; the /metrics queries fail."""
         self.is_engine_gone = True
-        for outbox in self._outboxes.values():
-            outbox.put_nowait(Ended(ev.REQ_CANCELLED, "cancelled", ENGINE_GONE, 0, 0, None))
+        for outbox, index in self._outboxes.values():
+            outbox.put_nowait((index, Ended(ev.REQ_CANCELLED, "cancelled", ENGINE_GONE, 0, 0, None)))
         self._outboxes.clear()
         for answer in self._queries.values():
             if not answer.done():

@@ -113,7 +113,11 @@ def start_api(args: argparse.Namespace, setup, dropped) -> API | None:
     if setup.tokenizer is None:
         raise ValueError(f"--api-port: the checkpoint {setup.checkpoint_dir} has no tokenizer.json to read text with")
     frontend = FrontendProcess(frontend_config(args, setup), in_process=not args.api_process)
-    metrics = EngineMetrics(setup.model_name, dropped)
+    pools = setup.scheduler.pools
+    metrics = EngineMetrics(setup.model_name, dropped, max_model_len=setup.scheduler.max_context, cache_config={
+        "block_size": pools.blocks.block_size, "num_gpu_blocks": pools.blocks.num_blocks,
+        "num_ssm_slots": pools.ssm.num_slots, "enable_prefix_caching": pools.prefix is not None,
+        "cache_dtype": str(setup.runner.dtype)})
     bridge = EngineBridge(frontend.start(), lambda: list(metrics.registry.collect()))
     log.info("API listening on %s (%s, chat template: %s)", frontend.url,
              f"frontend process {frontend.pid}" if args.api_process else "frontend thread", frontend.chat_template)

@@ -3,19 +3,22 @@
 One place maps every OpenAI field to the engine's parameters and checks what only the
 engine's size can decide (vocabulary, context, KV cache), so a bad request is answered
 with a 400 naming the field before anything reaches the tick loop. A new field is a line
-in ``protocol.py`` and a line here.
+in ``protocol.py`` and a line here. One HTTP request becomes one engine request per choice:
+a list of prompts times ``n`` (``fan_out``; ``choices.py`` joins their replies).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
 
 from engine.api.chat_template import ChatTemplate, ChatTemplateError
-from engine.api import structured
+from engine.api import structured, unsupported
 from engine.api.errors import APIError, bad_request
-from engine.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, stop_list
+from engine.api.protocol import (MAX_PROMPTS, ChatCompletionRequest, CompletionRequest, SamplingFields,
+                                 stop_list)
 from engine.scheduler.request_features import SOURCE_API, RequestFeatures
 
 MAX_BODY_BYTES = 1 << 20
@@ -37,18 +40,33 @@ class EngineInfo:
     grammars: Any = None           # engine.grammar.compiler.GrammarCompiler (None: no grammar support)
     tool_call_start_id: int | None = None
     tool_call_end_id: int | None = None
-    # id -> its text alone (logprobs name each token): filled as ids come, HTTP thread only
-    _token_texts: dict[int, str] = field(default_factory=dict, compare=False, repr=False)
+    # id -> (its name, its exact bytes) for logprobs: filled as ids come, HTTP thread only
+    _token_names: dict[int, tuple[str, list[int]]] = field(default_factory=dict, compare=False, repr=False)
 
-    def token_text(self, token: int) -> str:
-        text = self._token_texts.get(token)
-        if text is None:
-            text = self._token_texts[token] = self.tokenizer.decode([token])
-        return text
+    def token_name(self, token: int) -> tuple[str, list[int]]:
+        """(the token's text, its exact bytes): a token that is part of a UTF-8 character is named
+        ``bytes:\\xe2\\x80`` (OpenAI's convention), so tokens with different bytes never share a name."""
+        named = self._token_names.get(token)
+        if named is None:
+            raw = self.token_bytes(token)
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+            named = self._token_names[token] = (text, list(raw))
+        return named
+
+    def token_bytes(self, token: int) -> bytes:
+        """The token's exact bytes (llguidance's view of the vocabulary: the grammar compiler's tokenizer)."""
+        if self.grammars is not None:
+            return self.grammars.tokenizer.decode_bytes([token])
+        return self.tokenizer.decode([token]).encode()
 
 
 @dataclass(frozen=True)
 class EngineRequest:
+    """One choice of an HTTP request: what one engine request runs, and how its reply reads."""
+
     prompt_tokens: list[int]
     sampling: dict[str, Any]
     features: RequestFeatures
@@ -56,6 +74,10 @@ class EngineRequest:
     include_usage: bool
     tools_allowed: bool = False    # chat: parse tool calls out of the reply
     grammar: dict | None = None    # what the output obeys (engine/grammar/spec.py)
+    index: int = 0                 # the choice's index in the response
+    echo: str | None = None        # completions with echo: the prompt text the reply starts with
+    hide_output: bool = False      # echo with max_tokens 0: the prompt alone (the engine's one token is dropped)
+    approximations: tuple[str, ...] = ()   # schema keywords a lenient grammar ignored (structured.py)
 
 
 def validate(model_cls: type, raw: bytes):
@@ -85,26 +107,47 @@ def check_model(info: EngineInfo, model: str) -> None:
                        param="model", type="not_found_error", code="model_not_found")
 
 
-def completion_request(info: EngineInfo, body: CompletionRequest) -> EngineRequest:
-    check_model(info, body.model)
-    prompt = body.prompt
+def prompts_of(prompt) -> list[str | list[int]]:
+    """OpenAI's four prompt forms as a list of prompts (a string or token ids each)."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise bad_request(f"prompt: one prompt per request, got {len(prompt)}", "prompt")
-        prompt = prompt[0]
-    tokens = info.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-    bad = next((t for t in tokens if not 0 <= t < info.vocab_size), None)
-    if bad is not None:
-        raise bad_request(f"prompt: token id {bad} is outside the vocabulary [0, {info.vocab_size})", "prompt")
-    features = RequestFeatures(source=SOURCE_API, stop_strings=tuple(stop_list(body.stop)), logprobs=body.logprobs)
-    grammar = structured.grammar_for(info, response_format=body.response_format,
-                                     structured_outputs=body.structured_outputs)
-    return _engine_request(info, body, tokens, body.max_tokens or 16, features, (), tools_allowed=False,
-                           grammar=grammar)
+        return list(prompt)
+    return [prompt]
 
 
-def chat_request(info: EngineInfo, body: ChatCompletionRequest) -> EngineRequest:
+def completion_requests(info: EngineInfo, body: CompletionRequest) -> list[EngineRequest]:
+    """One engine request per prompt and choice (prompt 0's n choices first, as OpenAI orders them)."""
     check_model(info, body.model)
+    _check_common(body, chat=False)
+    prompts = prompts_of(body.prompt)
+    if len(prompts) > MAX_PROMPTS:
+        raise bad_request(f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", "prompt")
+    if body.max_tokens == 0 and not body.echo:
+        raise bad_request("max_tokens: 0 is only meaningful with echo (the prompt alone)", "max_tokens")
+    grammar, approximations = structured.grammar_for(info, response_format=body.response_format,
+                                                     structured_outputs=body.structured_outputs)
+    out: list[EngineRequest] = []
+    for prompt in prompts:
+        tokens = info.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        bad = next((t for t in tokens if not 0 <= t < info.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"prompt: token id {bad} is outside the vocabulary [0, {info.vocab_size})", "prompt")
+        echo = None
+        if body.echo:
+            echo = prompt if isinstance(prompt, str) else info.tokenizer.decode(tokens)
+        features = RequestFeatures(source=SOURCE_API, stop_strings=tuple(stop_list(body.stop)),
+                                   logprobs=body.logprobs,
+                                   prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None)
+        max_tokens = 16 if body.max_tokens is None else max(body.max_tokens, 1)
+        one = _engine_request(info, body, tokens, max_tokens, features, (), tools_allowed=False, grammar=grammar)
+        out += fan_out(one, body.n, first_index=len(out), echo=echo, hide_output=body.max_tokens == 0,
+                       approximations=approximations)
+    return out
+
+
+def chat_requests(info: EngineInfo, body: ChatCompletionRequest) -> list[EngineRequest]:
+    """The chat's n choices, one engine request each."""
+    check_model(info, body.model)
+    _check_common(body, chat=True)
     kwargs = body.chat_template_kwargs.model_dump() if body.chat_template_kwargs else {}
     thinking = bool(kwargs.pop("enable_thinking", False))
     choice = body.tool_choice
@@ -135,12 +178,46 @@ def chat_request(info: EngineInfo, body: ChatCompletionRequest) -> EngineRequest
         raise bad_request("top_logprobs: needs logprobs: true", "top_logprobs")
     im_end = info.tokenizer.token_id("<|im_end|>")
     max_tokens = body.max_completion_tokens or body.max_tokens
-    grammar = structured.grammar_for(info, response_format=body.response_format,
-                                     structured_outputs=body.structured_outputs,
-                                     tools=tools if require_tool else None, tool_choice=choice,
-                                     enable_thinking=thinking)
-    return _engine_request(info, body, tokens, max_tokens, features, (im_end,) if im_end is not None else (),
-                           tools_allowed=bool(tools), grammar=grammar)
+    grammar, approximations = structured.grammar_for(info, response_format=body.response_format,
+                                                     structured_outputs=body.structured_outputs,
+                                                     tools=tools if require_tool else None, tool_choice=choice,
+                                                     enable_thinking=thinking)
+    one = _engine_request(info, body, tokens, max_tokens, features, (im_end,) if im_end is not None else (),
+                          tools_allowed=bool(tools), grammar=grammar)
+    return fan_out(one, body.n, first_index=0, approximations=approximations)
+
+
+def fan_out(request: EngineRequest, n: int, *, first_index: int, echo: str | None = None,
+            hide_output: bool = False, approximations: tuple[str, ...] = ()) -> list[EngineRequest]:
+    """``n`` sibling engine requests of one prompt, indexed from ``first_index`` (``choices.py``
+    says why siblings: the prefix cache shares their prompt). With a seed, choice i gets seed + i."""
+    out = []
+    seed = request.sampling["seed"]
+    for choice in range(n):
+        sampling = {**request.sampling, "seed": None if seed is None else seed + choice}
+        features = dataclasses.replace(request.features, n=n, choice=choice)
+        out.append(dataclasses.replace(request, sampling=sampling, features=features, index=first_index + choice,
+                                       echo=echo, hide_output=hide_output, approximations=approximations))
+    return out
+
+
+def _check_common(body: SamplingFields, *, chat: bool) -> None:
+    """What both endpoints refuse before any tokenizing: unsupported fields, stream_options without stream."""
+    unsupported.refuse(body.model_extra, chat=chat)
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("stream_options: only allowed with stream: true", "stream_options")
+
+
+def logit_bias_pairs(info: EngineInfo, bias: dict[str, float] | None) -> list[list]:
+    """OpenAI's {"token id": bias} as sorted [id, bias] pairs; a key that is not a token id is a 400."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        if not key.isdigit() or not 0 <= int(key) < info.vocab_size:
+            raise bad_request(f"logit_bias: {key!r:.40} is not a token id in [0, {info.vocab_size})", "logit_bias")
+        if not -100.0 <= value <= 100.0:
+            raise bad_request(f"logit_bias: the bias of {key} is {value}, outside [-100, 100]", "logit_bias")
+        pairs.append([int(key), float(value)])
+    return sorted(pairs)
 
 
 def _engine_request(info: EngineInfo, body: SamplingFields, tokens: list[int], max_tokens: int | None,
@@ -174,6 +251,8 @@ def _engine_request(info: EngineInfo, body: SamplingFields, tokens: list[int], m
         raise bad_request(f"min_tokens: {body.min_tokens} is more than max_tokens {max_tokens}", "min_tokens")
     sampling = {"temperature": body.temperature, "top_k": max(body.top_k, 0), "top_p": body.top_p,
                 "min_p": body.min_p, "min_tokens": body.min_tokens, "max_tokens": max_tokens, "seed": body.seed,
-                "stop_token_ids": sorted(set(stop_ids))}
+                "stop_token_ids": sorted(set(stop_ids)), "logit_bias": logit_bias_pairs(info, body.logit_bias),
+                "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
+                "repetition_penalty": body.repetition_penalty}
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return EngineRequest(tokens, sampling, features, body.stream, include_usage, tools_allowed, grammar)

@@ -1,7 +1,9 @@
 """The request bodies the API accepts, as pydantic models (OpenAI's field names and ranges).
 
-Strict types: ``"max_tokens": "10"`` is a 400 naming ``max_tokens``, not a silent cast.
-Unknown fields are ignored, as OpenAI-compatible servers do (clients send ``user``, ...).
+Strict types: ``"max_tokens": "10"`` is a 400 naming ``max_tokens``, not a silent cast; NaN
+and infinities are refused. Unknown fields are ignored, as OpenAI-compatible servers do
+(clients send ``user``, ...), except the ones OpenAI or vLLM define and this server does not
+honour: those are a 400 naming them unless they carry their neutral value (``unsupported.py``).
 Adding a field is two steps: declare it here, map it in ``parse.py``.
 """
 from __future__ import annotations
@@ -13,8 +15,19 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError  # noqa: F401
 from engine.scheduler.request_features import MAX_LOGPROBS, MAX_STOP_STRINGS
 
 
+MAX_N = 16                # choices per prompt (n); each is an engine request
+MAX_PROMPTS = 16          # prompts in one completion request (a list of prompts)
+
+
 class Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class TopBody(Body):
+    """A whole request body: the fields it does not declare are kept (``model_extra``) so
+    ``unsupported.py`` can refuse the ones that would otherwise be silently ignored."""
+
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
 
 class StreamOptions(Body):
@@ -34,14 +47,17 @@ class ResponseFormat(Body):
 
 
 class StructuredOutputs(Body):
-    """The extension object: exactly one of regex, choice, grammar (Lark)."""
+    """The extension object (vLLM's): exactly one of json (a schema), regex, choice, grammar (Lark)."""
 
+    json_: dict[str, Any] | bool | str | None = Field(None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    strict: bool | None = None           # ours: refuse unsupported schema keywords instead of ignoring them
+    max_string_length: int | None = Field(None, ge=1)   # ours: bound every string the schema leaves free
 
 
-class SamplingFields(Body):
+class SamplingFields(TopBody):
     """The sampling fields both endpoints share."""
 
     model: str
@@ -55,16 +71,20 @@ class SamplingFields(Body):
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1)                   # one choice per request
+    n: int = Field(1, ge=1, le=MAX_N)               # choices per prompt, each its own engine request
+    logit_bias: dict[str, float] | None = None      # token id (as text) -> bias in [-100, 100]
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)           # vLLM's (1 = off)
     response_format: ResponseFormat | None = None   # structured output (engine/api/structured.py)
     structured_outputs: StructuredOutputs | None = None
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)       # 0 only with echo: the prompt alone
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: Literal[False] = False
+    echo: bool = False
 
 
 class FunctionCall(Body):
@@ -84,7 +104,7 @@ class TextPart(Body):
 
 
 class Message(Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: str = Field(min_length=1)   # any role reaches the template (vLLM's rule); the template decides
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
@@ -100,7 +120,8 @@ class Message(Body):
 class FunctionDef(Body):
     name: str = Field(min_length=1)
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: dict[str, Any] | None = None        # absent: the function takes no arguments ({})
+    strict: bool | None = None                      # true: refuse unsupported schema keywords
 
 
 class Tool(Body):

@@ -1,13 +1,19 @@
-"""One request's progress (token batches, then its end) -> OpenAI response objects and stream chunks.
+"""One choice's progress (token batches, then its end) -> OpenAI choice objects and stream chunks.
 
-``CompletionReply`` and ``ChatReply`` turn the engine's tokens into text (``TextStream``),
-logprobs and, for chat, reasoning / answer / tool calls (``output_parse``). They know nothing
-of HTTP: the server feeds them what the outbox delivers and sends what they return.
+``CompletionReply`` and ``ChatReply`` turn one engine request's tokens into text
+(``TextStream``), logprobs and, for chat, reasoning / answer / tool calls (``output_parse``).
+``choices.Choices`` joins the n (x prompts) of one HTTP request into one response. They know
+nothing of HTTP: the server feeds them what the outbox delivers and sends what they return.
+
+Logprobs are always JSON numbers: a token the grammar or a ban masked has logprob -inf, which
+JSON cannot carry, so it is written as -9999.0 (vLLM's value). Each token is named by its
+text, or ``bytes:\\xNN..`` when its bytes are part of a UTF-8 character, and ``bytes`` are
+its exact bytes, so the bytes of consecutive tokens rebuild the text.
 """
 from __future__ import annotations
 
-import time
-import uuid
+import codecs
+import math
 
 from engine.api.wire import Ended, Tokens
 from engine.api.output_parse import TOOL_START, parse_reply, split_reasoning
@@ -15,87 +21,147 @@ from engine.api.parse import EngineInfo, EngineRequest
 from engine.api.text_stream import TextStream
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+MASKED_LOGPROB = -9999.0   # what -inf (a masked token) is written as, vLLM's value
 
 
 def usage(prompt_len: int, output_len: int) -> dict:
     return {"prompt_tokens": prompt_len, "completion_tokens": output_len, "total_tokens": prompt_len + output_len}
 
 
-class _Reply:
-    OBJECT = ""
+def finite(logprob: float) -> float:
+    """A logprob as JSON can carry it: -inf (and NaN, which a broken row could give) -> -9999.0."""
+    return logprob if math.isfinite(logprob) else MASKED_LOGPROB
 
-    def __init__(self, info: EngineInfo, request: EngineRequest) -> None:
-        self.info, self.request = info, request
-        self.id = f"{self.PREFIX}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
+
+class _Reply:
+    def __init__(self, info: EngineInfo, request: EngineRequest, base: dict) -> None:
+        self.info, self.request, self.index = info, request, request.index
+        self.base = base                    # id, created, model: shared by the request's choices
         hidden = frozenset(request.sampling["stop_token_ids"]) | info.eos_ids
         self.text = TextStream(info.tokenizer.decode, request.features.stop_strings, hidden)
         self.logprobs: list = []
+        self.prompt_logprobs: list | None = None
         self.token_ids: list[int] = []
         self.ended: Ended | None = None
 
-    def _base(self, obj: str) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.info.model_name}
+    def _chunk_base(self) -> dict:
+        return {**self.base, "object": self.CHUNK_OBJECT}
 
-    def _token_text(self, token: int) -> str:
-        return self.info.token_text(token)
+    def keep(self, item: Tokens) -> str:
+        """Take a batch of tokens; returns the text that became certain (the streamed delta)."""
+        self.token_ids += item.token_ids
+        self.logprobs += item.logprobs
+        if item.prompt_logprobs is not None:   # with the first batch, when the prompt's were asked for
+            self.prompt_logprobs = item.prompt_logprobs
+        return self.text.push(item.token_ids)
 
-    def usage(self) -> dict:
+    def end(self, item: Ended) -> None:
+        """The request ended (a whole response reads ``choice()`` next)."""
+        self.ended = item
+
+    @property
+    def output_len(self) -> int:
         assert self.ended is not None
-        return usage(self.ended.prompt_len, self.ended.output_len)
+        return 0 if self.request.hide_output else self.ended.output_len
 
     def finish_reason(self) -> str:
         assert self.ended is not None
+        if self.request.hide_output:
+            return "length"    # max_tokens 0: the prompt alone
         return FINISH_REASONS.get(self.ended.finish_reason or "", self.ended.finish_reason or "stop")
 
-    def usage_chunk(self) -> dict:
-        return {**self._base(self.CHUNK_OBJECT), "choices": [], "usage": self.usage()}
+    def _top(self, top: list[tuple[int, float]]) -> list[dict]:
+        out = []
+        for token, logprob in top:
+            name, raw = self.info.token_name(token)
+            out.append({"token": name, "logprob": finite(logprob), "bytes": raw})
+        return out
 
 
 class CompletionReply(_Reply):
-    PREFIX, CHUNK_OBJECT = "cmpl", "text_completion"
+    CHUNK_OBJECT = "text_completion"
+
+    def __init__(self, info: EngineInfo, request: EngineRequest, base: dict) -> None:
+        super().__init__(info, request, base)
+        self._chars = codecs.getincrementaldecoder("utf-8")("replace")
+        self._offset = 0                    # characters of the reply's text before the next token
+        self._echoed = False
 
     def _logprobs(self, tokens: list[int], logprobs: list) -> dict | None:
+        """Legacy logprobs of ``tokens`` (each with its (logprob, top) or None), offsets running on."""
         if self.request.features.logprobs is None:
             return None
-        texts = [self._token_text(t) for t in tokens]
-        return {"tokens": texts, "token_logprobs": [lp for lp, _ in logprobs],
-                "top_logprobs": [self._top_dict(top) for _, top in logprobs],
-                "text_offset": [0] * len(tokens)}
+        names, values, tops, offsets = [], [], [], []
+        for token, entry in zip(tokens, logprobs):
+            name, raw = self.info.token_name(token)
+            names.append(name)
+            offsets.append(self._offset)
+            self._offset += len(self._chars.decode(bytes(raw)))
+            if entry is None:            # the echoed prompt's first token: nothing predicts it
+                values.append(None)
+                tops.append(None)
+                continue
+            logprob, top = entry
+            values.append(finite(logprob))
+            # The legacy map is keyed by name; names differ whenever bytes differ (see module doc).
+            tops.append({self.info.token_name(t)[0]: finite(v) for t, v in top})
+        return {"tokens": names, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
-    def _top_dict(self, top: list[tuple[int, float]]) -> dict[str, float]:
-        """The legacy text -> logprob map; when two ids decode to the same text the likelier one stays."""
-        out: dict[str, float] = {}
-        for token, logprob in top:
-            out.setdefault(self._token_text(token), logprob)
-        return out
+    def _echo(self) -> tuple[str, dict | None]:
+        """The echoed prompt's text and logprobs, once (the first chunk, or the whole response)."""
+        if self.request.echo is None or self._echoed:
+            return "", None
+        self._echoed = True
+        if self.request.features.logprobs is None:
+            self._offset = len(self.request.echo)
+            return self.request.echo, None
+        entries = [None] + list(self.prompt_logprobs or [])[:len(self.request.prompt_tokens) - 1]
+        return self.request.echo, self._logprobs(self.request.prompt_tokens, entries)
 
     def on_tokens(self, item: Tokens) -> list[dict]:
-        self.token_ids += item.token_ids
-        self.logprobs += item.logprobs
-        delta = self.text.push(item.token_ids)
-        logprobs = self._logprobs(item.token_ids, item.logprobs)
+        delta = self.keep(item)
+        echo, echo_logprobs = self._echo()
+        if self.request.hide_output:
+            return [self._chunk(echo, echo_logprobs)] if echo else []
+        delta = echo + delta
+        logprobs = _joined(echo_logprobs, self._logprobs(item.token_ids, item.logprobs))
         if not delta and logprobs is None:
             return []
-        return [{**self._base("text_completion"),
-                 "choices": [{"index": 0, "text": delta, "logprobs": logprobs, "finish_reason": None}]}]
+        return [self._chunk(delta, logprobs)]
+
+    def _chunk(self, text: str, logprobs: dict | None, finish_reason: str | None = None) -> dict:
+        return {**self._chunk_base(), "choices": [{"index": self.index, "text": text, "logprobs": logprobs,
+                                                   "finish_reason": finish_reason}]}
 
     def on_end(self, item: Ended) -> list[dict]:
         self.ended = item
-        return [{**self._base("text_completion"), "choices": [
-            {"index": 0, "text": self.text.finish(), "logprobs": None, "finish_reason": self.finish_reason()}]}]
+        echo, echo_logprobs = self._echo()
+        tail = "" if self.request.hide_output else self.text.finish()
+        return [self._chunk(echo + tail, echo_logprobs, self.finish_reason())]
 
-    def response(self) -> dict:
-        return {**self._base("text_completion"), "usage": self.usage(), "choices": [
-            {"index": 0, "text": self.text.full_text(), "finish_reason": self.finish_reason(),
-             "logprobs": self._logprobs(self.token_ids, self.logprobs)}]}
+    def choice(self) -> dict:
+        """The whole choice (after ``keep`` of every batch and ``end``; not after streaming)."""
+        echo, echo_logprobs = self._echo()
+        if self.request.hide_output:
+            text, logprobs = echo, echo_logprobs
+        else:
+            text = echo + self.text.full_text()
+            logprobs = _joined(echo_logprobs, self._logprobs(self.token_ids, self.logprobs))
+        return {"index": self.index, "text": text, "finish_reason": self.finish_reason(), "logprobs": logprobs}
+
+
+def _joined(first: dict | None, second: dict | None) -> dict | None:
+    """Two legacy logprobs objects one after the other (the echoed prompt's, then the output's)."""
+    if first is None or second is None:
+        return first or second
+    return {key: first[key] + second[key] for key in first}
 
 
 class ChatReply(_Reply):
-    PREFIX, CHUNK_OBJECT = "chatcmpl", "chat.completion.chunk"
+    CHUNK_OBJECT = "chat.completion.chunk"
 
-    def __init__(self, info: EngineInfo, request: EngineRequest) -> None:
-        super().__init__(info, request)
+    def __init__(self, info: EngineInfo, request: EngineRequest, base: dict) -> None:
+        super().__init__(info, request, base)
         self.thinking = request.features.enable_thinking
         self.sent_reasoning = ""
         self.sent_content = ""
@@ -106,15 +172,13 @@ class ChatReply(_Reply):
             return None
         content = []
         for token, (lp, top) in zip(tokens, logprobs):
-            text = self._token_text(token)
-            content.append({"token": text, "logprob": lp, "bytes": list(text.encode()),
-                            "top_logprobs": [{"token": self._token_text(i), "logprob": v,
-                                              "bytes": list(self._token_text(i).encode())} for i, v in top]})
+            name, raw = self.info.token_name(token)
+            content.append({"token": name, "logprob": finite(lp), "bytes": raw, "top_logprobs": self._top(top)})
         return {"content": content}
 
     def _chunk(self, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None) -> dict:
-        return {**self._base("chat.completion.chunk"),
-                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+        return {**self._chunk_base(), "choices": [{"index": self.index, "delta": delta, "logprobs": logprobs,
+                                                   "finish_reason": finish_reason}]}
 
     def _streamable(self, text: str) -> tuple[str, str]:
         """(reasoning, content) of the text so far that may be sent: content stops at a tool call."""
@@ -140,9 +204,7 @@ class ChatReply(_Reply):
         return delta
 
     def on_tokens(self, item: Tokens) -> list[dict]:
-        self.token_ids += item.token_ids
-        self.logprobs += item.logprobs
-        self.text.push(item.token_ids)
+        self.keep(item)
         delta = self._deltas(*self._streamable(self.text.full_text()[:self.text.sent]))
         logprobs = self._logprobs(item.token_ids, item.logprobs)
         return [self._chunk(delta, logprobs)] if delta or logprobs else []
@@ -168,13 +230,13 @@ class ChatReply(_Reply):
         return "tool_calls" if parsed.tool_calls and self.ended.finish_reason in ("eos", "stop") else \
             self.finish_reason()
 
-    def response(self) -> dict:
+    def choice(self) -> dict:
         parsed = self._parsed()
         message = {"role": "assistant", "content": parsed.content, "reasoning_content": parsed.reasoning,
                    "tool_calls": parsed.tool_calls}
-        choice = {"index": 0, "message": message, "finish_reason": self._finish_reason(parsed),
+        choice = {"index": self.index, "message": message, "finish_reason": self._finish_reason(parsed),
                   "logprobs": self._logprobs(self.token_ids, self.logprobs)}
         if parsed.tool_call_errors:
             # Not OpenAI's: says why the text of a (forced) tool call did not become a tool call.
             choice["tool_call_parse_errors"] = parsed.tool_call_errors
-        return {**self._base("chat.completion"), "usage": self.usage(), "choices": [choice]}
+        return choice

@@ -1,8 +1,10 @@
 """The HTTP app: a Starlette app, run by uvicorn in the API frontend process (``frontend.py``).
 
-Handlers validate and map a body (``parse.py``), submit it through the bridge, then await
-the request's outbox: a JSON response at the end, or server-sent events as tokens arrive.
-A client that goes away (streaming or not) cancels its request through the bridge.
+Handlers validate and map a body (``parse.py``) to one engine request per choice, submit them
+through the bridge, then await the request's outbox: a JSON response once every choice has
+ended, or server-sent events as tokens arrive (``choices.py`` joins the choices). A client that
+goes away (streaming or not) cancels its requests through the bridge; so does the first choice
+that fails. A grammar the lenient compile approximated says so in a response header.
 """
 from __future__ import annotations
 
@@ -17,12 +19,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from engine.api.choices import Choices
 from engine.api.errors import TYPE_AUTH, TYPE_NOT_FOUND, TYPE_RATE, TYPE_SERVER, APIError
 from engine.api.frontend_bridge import EngineGone, FrontendBridge, QueueFull
 from engine.api.metrics import CONTENT_TYPE
-from engine.api.parse import MAX_BODY_BYTES, EngineInfo, EngineRequest, chat_request, completion_request, validate
+from engine.api.parse import MAX_BODY_BYTES, EngineInfo, EngineRequest, chat_requests, completion_requests, validate
 from engine.api.protocol import ChatCompletionRequest, CompletionRequest
-from engine.api.replies import ChatReply, CompletionReply
 from engine.api.sse import EventStream
 from engine.api.wire import Ended, Tokens
 from telemetry import events as ev
@@ -31,6 +33,7 @@ log = logging.getLogger("chunkscope.api")
 RETRY_AFTER_S = 1
 CLIENT_CLOSED = 499      # nginx's "client closed request": nobody reads it, the log does
 GONE = object()          # put in a stream's outbox when its client disconnects
+APPROXIMATIONS_HEADER = "x-chunkscope-grammar-approximations"   # schema keywords a lenient grammar ignored
 # json.dumps(chunk, ensure_ascii=False) builds an encoder per call; one encoder for every chunk
 _encode = json.JSONEncoder(ensure_ascii=False, check_circular=False).encode
 _END_STATUS = {ev.REQ_ERROR: (500, TYPE_SERVER), ev.REQ_PREEMPTED: (503, TYPE_SERVER),
@@ -73,73 +76,72 @@ def build_app(info: EngineInfo, bridge: FrontendBridge, api_key: str | None = No
 
     async def completions(request: Request) -> Response:
         check_key(request)
-        engine_request = completion_request(info, validate(CompletionRequest, await read_body(request)))
-        return await _serve(request, engine_request, CompletionReply(info, engine_request))
+        engine_requests = completion_requests(info, validate(CompletionRequest, await read_body(request)))
+        return await _serve(request, engine_requests, Choices(info, engine_requests, chat=False))
 
     async def chat(request: Request) -> Response:
         check_key(request)
-        engine_request = chat_request(info, validate(ChatCompletionRequest, await read_body(request)))
-        return await _serve(request, engine_request, ChatReply(info, engine_request))
+        engine_requests = chat_requests(info, validate(ChatCompletionRequest, await read_body(request)))
+        return await _serve(request, engine_requests, Choices(info, engine_requests, chat=True))
 
-    async def _serve(request: Request, engine_request: EngineRequest, reply) -> Response:
+    async def _serve(request: Request, engine_requests: list[EngineRequest], choices: Choices) -> Response:
+        if len(engine_requests) > bridge.max_waiting:
+            raise APIError(400, f"n: {len(engine_requests)} choices in one request, more than the server queues "
+                                f"(--max-waiting {bridge.max_waiting})", param="n", code="too_many_choices")
         try:
-            handle, outbox = bridge.submit(engine_request.prompt_tokens, engine_request.sampling,
-                                           engine_request.features, engine_request.grammar)
+            handles, outbox = bridge.submit([(r.prompt_tokens, r.sampling, r.features, r.grammar)
+                                             for r in engine_requests])
         except QueueFull as exc:
             raise APIError(429, str(exc), type=TYPE_RATE, code="too_many_waiting",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except EngineGone as exc:
             raise APIError(503, str(exc), type=TYPE_SERVER, code="engine_gone") from None
-        if engine_request.stream:
-            return EventStream(_events(handle, outbox, reply, engine_request.include_usage),
-                               on_gone=lambda: outbox.put_nowait(GONE))
-        return await _whole(request, handle, outbox, reply)
+        headers = {APPROXIMATIONS_HEADER: ", ".join(choices.approximations)} if choices.approximations else {}
+        first = engine_requests[0]
+        if first.stream:
+            return EventStream(_events(handles, outbox, choices, first.include_usage),
+                               on_gone=lambda: outbox.put_nowait(GONE), headers=headers)
+        return await _whole(request, handles, outbox, choices, headers)
 
-    async def _whole(request: Request, handle: int, outbox: asyncio.Queue, reply) -> Response:
+    async def _whole(request: Request, handles: list[int], outbox: asyncio.Queue, choices: Choices,
+                     headers: dict) -> Response:
         disconnect = asyncio.ensure_future(_client_gone(request))
         try:
-            while True:
+            while not choices.is_over:
                 get = asyncio.ensure_future(outbox.get())
                 done, _ = await asyncio.wait({get, disconnect}, return_when=asyncio.FIRST_COMPLETED)
                 if get not in done:
                     get.cancel()
-                    bridge.cancel(handle)
+                    bridge.cancel(handles)
                     return Response(status_code=CLIENT_CLOSED)
-                item = get.result()
-                if isinstance(item, Tokens):
-                    reply.on_tokens(item)
-                    continue
-                reply.on_end(item)
-                if item.status != ev.REQ_FINISHED:
-                    return _ended_error(item).response()
-                return JSONResponse(reply.response())
+                choices.keep(*get.result())
+            if choices.failed is not None:
+                bridge.cancel(handles)   # the choices still running are of no use now
+                return _ended_error(choices.failed).response()
+            return JSONResponse(choices.response(), headers=headers)
         finally:
             disconnect.cancel()
 
-    async def _events(handle: int, outbox: asyncio.Queue, reply, include_usage: bool):
-        is_over = False
+    async def _events(handles: list[int], outbox: asyncio.Queue, choices: Choices, include_usage: bool):
         try:
-            while not is_over:
+            while not choices.is_over:
                 item = _merged(await outbox.get(), outbox)
                 if item is GONE:
                     break
-                if isinstance(item, Tokens):
-                    chunks = reply.on_tokens(item)
-                elif item.status == ev.REQ_FINISHED:
-                    is_over = True
-                    chunks = reply.on_end(item) + ([reply.usage_chunk()] if include_usage else [])
-                else:
-                    is_over = True
-                    chunks = [_ended_error(item).body()]
+                chunks = choices.on_item(*item)
+                if choices.failed is not None:
+                    chunks = [_ended_error(choices.failed).body()]
+                elif choices.is_over and include_usage:
+                    chunks.append(choices.usage_chunk())
                 # One event per chunk, one write for the lot (the last one ends with [DONE]).
                 events = "".join(f"data: {_encode(chunk)}\n\n" for chunk in chunks)
-                if is_over:
+                if choices.is_over:
                     events += "data: [DONE]\n\n"
                 if events:
                     yield events.encode()
         finally:
-            if not is_over:   # the client went away (or the send failed): stop computing for it
-                bridge.cancel(handle)
+            if choices.num_open:   # the client went away, a send failed or a choice failed: stop the rest
+                bridge.cancel(handles)
 
     async def on_api_error(_request: Request, exc: APIError) -> Response:
         return exc.response()
@@ -166,12 +168,19 @@ async def _client_gone(request: Request) -> None:
 
 
 def _merged(item, queue: asyncio.Queue):
-    """``item`` joined with the token batches already queued behind it: a client that fell behind
-    gets one larger event instead of many small ones (an end stays queued for the next turn)."""
-    while isinstance(item, Tokens) and not queue.empty() and isinstance(queue._queue[0], Tokens):
-        more = queue.get_nowait()
-        item = Tokens(item.token_ids + more.token_ids, item.logprobs + more.logprobs)
-    return item
+    """``item`` (index, Tokens) joined with the same choice's token batches queued right behind it: a
+    client that fell behind gets one larger event instead of many small ones (an end stays queued)."""
+    if item is GONE:
+        return item
+    index, tokens = item
+    while isinstance(tokens, Tokens) and not queue.empty():
+        after = queue._queue[0]
+        if after is GONE or after[0] != index or not isinstance(after[1], Tokens):
+            break
+        more = queue.get_nowait()[1]
+        tokens = Tokens(tokens.token_ids + more.token_ids, tokens.logprobs + more.logprobs,
+                        tokens.prompt_logprobs if tokens.prompt_logprobs is not None else more.prompt_logprobs)
+    return index, tokens
 
 
 def _ended_error(item: Ended) -> APIError:

@@ -18,12 +18,14 @@ HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-cont
 class EventStream:
     """Sends each bytes item of ``events`` as it comes; calls ``on_gone`` if the client disconnects first."""
 
-    def __init__(self, events: AsyncIterator[bytes], on_gone: Callable[[], None]) -> None:
+    def __init__(self, events: AsyncIterator[bytes], on_gone: Callable[[], None],
+                 headers: dict[str, str] | None = None) -> None:
         self._events = events
         self._on_gone = on_gone
+        self._headers = HEADERS + [(k.encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
 
     async def __call__(self, scope, receive, send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": HEADERS})
+        await send({"type": "http.response.start", "status": 200, "headers": self._headers})
         watcher = asyncio.ensure_future(self._watch(receive))
         try:
             async with aclosing(self._events) as events:

@@ -61,10 +61,12 @@ class Failed:
 
 @dataclass(frozen=True)
 class Tokens:
-    """New output tokens (and their logprobs when asked for)."""
+    """New output tokens (and their logprobs when asked for); the first batch of a request that
+    asked for its prompt's logprobs carries them (prompt token 1 on: nothing predicts token 0)."""
 
     token_ids: list[int]
     logprobs: list[tuple[float, list[tuple[int, float]]]]
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,7 @@ class Batch:
     num_waiting: int = 0          # the scheduler's waiting queue now
     num_drained: int = 0          # submissions the engine has taken so far (the rest are in flight)
     metrics: dict[int, list[Any]] = field(default_factory=dict)             # query id -> metric families
+    prompt_logprobs: dict[int, list] = field(default_factory=dict)         # handle -> its prompt's, with its first tokens
 
 
 def frame(message: Any) -> bytes:

@@ -52,12 +52,16 @@ class PrefixPool:
         self._dropping_for_cap = False
 
     # ---- admission ----------------------------------------------------------------------
-    def admit(self, request_id: int, prompt: Sequence[int], seq: SequenceState, max_prefill_tokens: int) -> PrefixMatch:
+    def admit(self, request_id: int, prompt: Sequence[int], seq: SequenceState, max_prefill_tokens: int,
+              no_hit: str | None = None) -> PrefixMatch:
         """Attach the cached prefix of ``prompt`` to ``seq`` (its slot is fresh); prefill starts at
-        the match's ``num_tokens``."""
+        the match's ``num_tokens``. ``no_hit``: why this request takes no hit (its miss reason)."""
         match = self.cache.match(prompt)
+        if match.num_tokens and no_hit is not None:
+            match = _no_hit(match, no_hit)
         if match.num_tokens and not self._fits(match, len(prompt), max_prefill_tokens):
-            match = _no_room(match)
+            match = _no_hit(match, f"KV cache full: the cached prefix of {match.num_tokens} tokens could not "
+                                   f"be revived alongside the first chunk")
         self.cache.attach(seq, match)
         if match.snapshot is not None:
             self.ssm.restore(match.snapshot, seq.ssm_slot)
@@ -133,10 +137,8 @@ class PrefixPool:
         return len(self._snapshot_origin)
 
 
-def _no_room(match: PrefixMatch) -> PrefixMatch:
-    """An empty match that says the cached prefix could not be revived for lack of blocks."""
-    reason = (f"KV cache full: the cached prefix of {match.num_tokens} tokens could not be revived "
-              f"alongside the first chunk")
+def _no_hit(match: PrefixMatch, reason: str) -> PrefixMatch:
+    """An empty match that says why the cached prefix is not used."""
     return PrefixMatch(num_tokens=0, block_ids=(), block_hashes=(), num_prompt_tokens=match.num_prompt_tokens,
                        num_kv_tokens=match.num_kv_tokens, snapshot=None, miss_reason=reason)
 

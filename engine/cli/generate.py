@@ -98,7 +98,8 @@ def generate(model, tokenizer, prompt: list[int], params: SamplingParams, stop_a
     tokens: list[int] = []
     while True:
         row = logits[None] if state is None else masks.constrain(logits[None], [state])[0]   # [1, V]
-        token = int(sample_next(row, [params], [generator], [len(tokens)], eos_ids)[0])
+        token = int(sample_next(row, [params], [generator], [len(tokens)], eos_ids,
+                                output_tokens=[tokens], prompt_tokens=[prompt])[0])
         tokens.append(token)
         if state is not None and not state.advance(token):
             raise ValueError(f"grammar: {state.failure}")

@@ -9,7 +9,10 @@ cached too (the same text fails the same way).
 
 JSON grammars are compiled without flexible whitespace (``whitespace_flexible: false``,
 separators ``,`` and ``:``): the output is compact JSON. A small or undertrained model
-left free to emit whitespace between tokens can spend its whole budget on it.
+left free to emit whitespace between tokens can spend its whole budget on it. A lenient spec
+compiles with llguidance's ``lenient`` and ``coerce_one_of``: what it ignored is the compiled
+grammar's ``approximations`` (``schema_walk.approximations``). A schema's own ``x-guidance``
+object overrides these options (llguidance's rule).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import llguidance
 
+from engine.grammar import schema_walk
 from engine.grammar.spec import (KIND_CHOICE, KIND_JSON_OBJECT, KIND_JSON_SCHEMA, KIND_LARK, KIND_REGEX,
                                  GrammarSpec)
 
@@ -29,10 +33,16 @@ if TYPE_CHECKING:   # the matcher needs torch; the API frontend process compiles
 
 CACHE_ENTRIES = 64
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+LENIENT_OPTIONS = {"lenient": True, "coerce_one_of": True}
 
 
 class GrammarCompileError(ValueError):
-    """The grammar text does not compile; the message is llguidance's, naming the problem."""
+    """The grammar text does not compile; the message is llguidance's, naming the problem, and
+    ``keywords`` the JSON schema keywords it is about (empty when it names none)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.keywords = schema_walk.keywords_of(message)
 
 
 def grammar_text(spec: GrammarSpec) -> str:
@@ -40,8 +50,9 @@ def grammar_text(spec: GrammarSpec) -> str:
     if spec.kind == KIND_JSON_OBJECT:
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
     if spec.kind == KIND_JSON_SCHEMA:
+        options = {**JSON_OPTIONS, **LENIENT_OPTIONS} if spec.lenient else JSON_OPTIONS
         try:
-            return llguidance.LLMatcher.grammar_from_json_schema(spec.value, defaults=JSON_OPTIONS)
+            return llguidance.LLMatcher.grammar_from_json_schema(spec.value, defaults=options)
         except ValueError as exc:
             raise GrammarCompileError(f"json_schema: {exc}") from None
     if spec.kind == KIND_REGEX:
@@ -65,10 +76,12 @@ def build_ll_tokenizer(hf_tokenizer: Any, vocab_size: int, eos_ids: set[int]) ->
 class CompiledGrammar:
     """A compiled grammar: the template matcher each request copies."""
 
-    def __init__(self, spec: GrammarSpec, template: llguidance.LLMatcher, compile_ns: int) -> None:
+    def __init__(self, spec: GrammarSpec, template: llguidance.LLMatcher, compile_ns: int,
+                 approximations: tuple[str, ...] = ()) -> None:
         self.spec = spec
         self.template = template
         self.compile_ns = compile_ns
+        self.approximations = approximations   # what a lenient compile ignored (empty when strict)
 
 
 class GrammarCompiler:
@@ -134,7 +147,10 @@ class GrammarCompiler:
         if matcher.is_error():
             raise GrammarCompileError(f"{spec.kind} grammar does not compile: {_one_line(matcher.get_error())}")
         self.num_compiled += 1
-        return CompiledGrammar(spec, matcher, time.monotonic_ns() - start)
+        approximations = ()
+        if spec.lenient:
+            approximations = schema_walk.approximations(matcher.get_grammar_warnings())
+        return CompiledGrammar(spec, matcher, time.monotonic_ns() - start, approximations)
 
 
 def _one_line(message: str, limit: int = 500) -> str:

@@ -11,6 +11,11 @@ A spec is ``{"kind": K, "value": V}``:
 ``after_think`` (bool, default False): the grammar starts after the model's ``</think>``
 token, so a thinking reply is free inside its thought and constrained after it.
 
+``lenient`` (bool, default False): JSON schema keywords llguidance does not implement are
+ignored (and reported) instead of failing the compile, and ``oneOf`` is treated as ``anyOf``;
+the API asks for it unless the client says ``strict``. Absent means strict, so specs stored
+before lenient compiles existed replay as they ran.
+
 The dict form is what travels with the request: the ``requests`` row, ``workload.jsonl``
 and a replay all carry it, so a replay rebuilds the same grammar.
 """
@@ -40,6 +45,7 @@ class GrammarSpec:
     kind: str
     value: Any = None
     after_think: bool = False
+    lenient: bool = False
 
     @classmethod
     def parse(cls, raw: Any) -> "GrammarSpec":
@@ -49,10 +55,14 @@ class GrammarSpec:
         if not isinstance(raw, dict):
             raise GrammarSpecError(f"grammar must be an object like {{'kind': 'regex', 'value': '...'}}, "
                                    f"got {type(raw).__name__}")
-        unknown = sorted(set(raw) - {"kind", "value", "after_think"})
+        unknown = sorted(set(raw) - {"kind", "value", "after_think", "lenient"})
         if unknown:
-            raise GrammarSpecError(f"grammar: unknown field(s) {unknown}; known: ['after_think', 'kind', 'value']")
+            raise GrammarSpecError(f"grammar: unknown field(s) {unknown}; "
+                                   f"known: ['after_think', 'kind', 'lenient', 'value']")
         kind, value, after_think = raw.get("kind"), raw.get("value"), raw.get("after_think", False)
+        lenient = raw.get("lenient", False)
+        if not isinstance(lenient, bool):
+            raise GrammarSpecError(f"grammar.lenient must be true or false, got {lenient!r}")
         if kind not in GRAMMAR_KINDS:
             raise GrammarSpecError(f"grammar.kind must be one of {list(GRAMMAR_KINDS)}, got {kind!r}")
         if not isinstance(after_think, bool):
@@ -74,7 +84,7 @@ class GrammarSpec:
             value = list(value)
         elif not isinstance(value, str) or not value:
             raise GrammarSpecError(f"grammar.value: {kind} needs a non-empty string, got {value!r}")
-        spec = cls(kind, value, after_think)
+        spec = cls(kind, value, after_think, lenient)
         if len(spec.text) > MAX_GRAMMAR_CHARS:
             raise GrammarSpecError(f"grammar.value: {len(spec.text)} characters, more than {MAX_GRAMMAR_CHARS}")
         return spec
@@ -90,10 +100,12 @@ class GrammarSpec:
 
     @property
     def cache_key(self) -> str:
-        return f"{self.kind}\n{self.text}"
+        return f"{self.kind}{' lenient' if self.lenient else ''}\n{self.text}"
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": self.kind, "value": self.value}
         if self.after_think:
             out["after_think"] = True
+        if self.lenient:
+            out["lenient"] = True
         return out

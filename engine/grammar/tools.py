@@ -3,10 +3,11 @@
 Qwen's tool-call format is the tool-call start token, a newline, one JSON object
 ``{"name": ..., "arguments": {...}}``, a newline and the tool-call end token. With
 ``tool_choice`` required the call may name any of the request's tools, each with its own
-``parameters`` schema; with a named tool_choice only that one. The result is a Lark grammar
-(the special tokens by id, the JSON through llguidance's ``%json``), compact like every
-JSON grammar here. The first-token policy forces token 0 to the tool-call start; the
-grammar takes it as its first token.
+``parameters`` schema; with a named tool_choice only that one. A function with no
+``parameters`` takes none (OpenAI's reading): its arguments are ``{}``. The result is a Lark
+grammar (the special tokens by id, the JSON through llguidance's ``%json``), compact like every
+JSON grammar here, and lenient when asked (``spec.py``; the API asks unless a tool is strict). The first-token policy forces
+token 0 to the tool-call start; the grammar takes it as its first token.
 """
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ from typing import Any
 from engine.grammar.spec import KIND_LARK, GrammarSpec, GrammarSpecError
 
 COMPACT = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+LENIENT = {"lenient": True, "coerce_one_of": True}
+NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
-def call_schema(tools: list[dict[str, Any]], name: str | None = None) -> dict[str, Any]:
+def call_schema(tools: list[dict[str, Any]], name: str | None = None, lenient: bool = False) -> dict[str, Any]:
     """The JSON schema of one call: ``{"name": <a tool's name>, "arguments": <its parameters>}``.
 
     ``tools`` are OpenAI tool entries (``{"type": "function", "function": {"name", "parameters"}}``)
@@ -33,20 +36,21 @@ def call_schema(tools: list[dict[str, Any]], name: str | None = None) -> dict[st
             raise GrammarSpecError(f"tool_choice names {name!r}, which is not among the request's tools")
     options = []
     for function in functions:
-        parameters = function.get("parameters") or {"type": "object"}
+        parameters = function.get("parameters")
+        parameters = NO_ARGUMENTS if parameters is None else parameters or {"type": "object"}
         if not isinstance(parameters, dict):
             raise GrammarSpecError(f"tools: {function['name']}.parameters must be a JSON schema object")
         options.append({"type": "object", "properties": {"name": {"const": function["name"]},
                                                          "arguments": parameters},
                         "required": ["name", "arguments"], "additionalProperties": False})
     schema = options[0] if len(options) == 1 else {"anyOf": options}
-    return {**schema, "x-guidance": COMPACT}
+    return {**schema, "x-guidance": {**COMPACT, **LENIENT} if lenient else COMPACT}
 
 
 def tool_call_spec(tools: list[dict[str, Any]], *, start_id: int, end_id: int, name: str | None = None,
-                   after_think: bool = False) -> GrammarSpec:
+                   after_think: bool = False, lenient: bool = False) -> GrammarSpec:
     """A Lark grammar for exactly one tool call among ``tools`` (or the ``name``d one)."""
-    schema = call_schema(tools, name)
+    schema = call_schema(tools, name, lenient)
     lark = (f'start: <[{int(start_id)}]> "\\n" call "\\n" <[{int(end_id)}]>\n'
             f"call: %json {json.dumps(schema, separators=(',', ':'))}\n")
-    return GrammarSpec.parse({"kind": KIND_LARK, "value": lark, "after_think": after_think})
+    return GrammarSpec.parse({"kind": KIND_LARK, "value": lark, "after_think": after_think, "lenient": lenient})

@@ -107,8 +107,9 @@ def paged_decode_attention_traced(q: torch.Tensor, new_keys: torch.Tensor, new_v
 
 
 def _attention_fits(q, keys, values, block_tables, context_lens, gate) -> bool:
-    floats = (q, keys, values, gate)
-    return (all(t.dtype == torch.float32 and t.device.type == "cpu" for t in floats)
+    floats = (q, keys, values, gate)  # a float32 store, or a bf16 one with bf16 q and gate
+    return (keys.dtype in (torch.float32, torch.bfloat16)
+            and all(t.dtype == keys.dtype and t.device.type == "cpu" for t in floats)
             and q.dim() == 3 and keys.dim() == 4 and keys.shape == values.shape and keys.shape[3] == q.shape[2]
             and q.shape[1] % keys.shape[2] == 0 and gate.shape == q.shape
             and block_tables.dtype == torch.long == context_lens.dtype and block_tables.dim() == 2)

@@ -7,20 +7,20 @@
 // Per head, with e = exp(g), the state S [Dk, Dv] becomes S' = e S + k delta^T where
 // delta = beta (v - k^T (e S)), and the output is q^T S' = q^T (e S) + (q . k) delta.
 // The tensor form makes five passes over S (scale, read, rank-1 update: read + write each);
-// here S is read from memory once and written once: Dv is taken 32 columns at a time, one
-// sweep over the rows scales them and accumulates k^T (e S) and q^T (e S), a second sweep
-// (from L1: 64 rows x 128 bytes) writes e S + k delta^T.
-#include <immintrin.h>
+// here S is read from memory once and written once: Dv is taken 4 vectors (32 columns with
+// AVX2, 64 with AVX-512; then 2 and 1 for what is left) at a time, one sweep over the rows
+// scales them and accumulates k^T (e S) and q^T (e S), a second sweep (from L1: 64 rows x 128
+// or 256 bytes) writes e S + k delta^T. Vector code through vec.h: AVX2 or AVX-512.
 #include <math.h>
 #include <stdint.h>
 
-#include "avx2_math.h"
+#include "vec.h"
 
 #include <vector>
 
 namespace {
 
-constexpr int COLS = 32;  // Dv columns per block: 4 vectors for k^T S, 4 for q^T S
+constexpr int W = vec::W;
 
 inline float dot(const float* a, const float* b, int64_t n) {
     float sum = 0.0f;
@@ -28,51 +28,69 @@ inline float dot(const float* a, const float* b, int64_t n) {
     return sum;
 }
 
+// Columns [c, c + NV W) of one head (see head_step): the first sweep accumulates k^T S and q^T S
+// (and prefetches ``per_row`` lines of the next state per row), the second writes e S + k delta^T.
+template <int NV>
+inline void head_block(float* S, const float* q, const float* k, const float* v, float decay, float beta, float qk,
+                       int64_t dk, int64_t dv, int64_t c, float* out, const float* next, int64_t next_lines,
+                       int64_t per_row, int64_t& prefetched) {
+    const vec::V e = vec::set1(decay);
+    // k^T (e S) = e (k^T S) and q^T (e S) = e (q^T S): the decay multiplies the sums, not each element.
+    vec::V ks[NV], qs[NV];
+    for (int j = 0; j < NV; ++j) ks[j] = qs[j] = vec::zero();
+    for (int64_t i = 0; i < dk; ++i) {
+        const float* row = S + i * dv + c;
+        for (int64_t l = 0; l < per_row && prefetched < next_lines; ++l, ++prefetched)
+            vec::prefetch(next + prefetched * 16);
+        const vec::V ki = vec::set1(k[i]), qi = vec::set1(q[i]);
+        for (int j = 0; j < NV; ++j) {
+            const vec::V s = vec::load(row + W * j);
+            ks[j] = vec::fmadd(ki, s, ks[j]);
+            qs[j] = vec::fmadd(qi, s, qs[j]);
+        }
+    }
+    vec::V delta[NV];
+    const vec::V b = vec::set1(beta), dot_qk = vec::set1(qk);
+    for (int j = 0; j < NV; ++j) {
+        delta[j] = vec::mul(vec::fnmadd(e, ks[j], vec::load(v + c + W * j)), b);
+        vec::store(out + c + W * j, vec::fmadd(dot_qk, delta[j], vec::mul(e, qs[j])));
+    }
+    for (int64_t i = 0; i < dk; ++i) {
+        float* row = S + i * dv + c;
+        const vec::V ki = vec::set1(k[i]);
+        for (int j = 0; j < NV; ++j)
+            vec::store(row + W * j, vec::fmadd(ki, delta[j], vec::mul(vec::load(row + W * j), e)));
+    }
+}
+
 // One value head: S [Dk, Dv] (in place), q, k [Dk], v [Dv] -> out [Dv]. ``next`` is the state
 // this call's caller reads after this one (the next head's, or the next row's first head), or
-// null: its lines are prefetched during the first sweep, so memory keeps streaming while this
-// head's second sweep and its read-out run from L1 (without it, each head's first sweep waited
+// null: its lines are prefetched during the first sweeps, so memory keeps streaming while this
+// head's second sweeps and its read-out run from L1 (without it, each head's first sweep waited
 // on memory and memory then idled through the rest of the head).
 void head_step(float* S, const float* q, const float* k, const float* v, float g, float beta,
                int64_t dk, int64_t dv, float* out, const float* next) {
     const float decay = expf(g);
     const float qk = dot(q, k, dk);
-    const __m256 e = _mm256_set1_ps(decay);
+    // The blocks: 4 vectors wide while they fit, then one of 2 and one of 1 for what is left.
+    const int64_t wide = dv / (4 * W), rest = dv % (4 * W);
+    const int64_t blocks = wide + (rest >= 2 * W ? 1 : 0) + (rest % (2 * W) >= W ? 1 : 0);
     // The next state's 64-byte lines, spread over this head's first-sweep rows (Dk per block).
     const int64_t next_lines = next != nullptr ? dk * dv / 16 : 0;
-    const int64_t blocks = dv / COLS;
     const int64_t per_row = blocks > 0 ? (next_lines + blocks * dk - 1) / (blocks * dk) : 0;
     int64_t prefetched = 0;
     int64_t c = 0;
-    for (; c + COLS <= dv; c += COLS) {
-        // k^T (e S) = e (k^T S) and q^T (e S) = e (q^T S): the decay multiplies the sums, not each element.
-        __m256 ks[4], qs[4];
-        for (int j = 0; j < 4; ++j) ks[j] = qs[j] = _mm256_setzero_ps();
-        for (int64_t i = 0; i < dk; ++i) {
-            const float* row = S + i * dv + c;
-            for (int64_t l = 0; l < per_row && prefetched < next_lines; ++l, ++prefetched)
-                _mm_prefetch((const char*)(next + prefetched * 16), _MM_HINT_T0);
-            const __m256 ki = _mm256_set1_ps(k[i]), qi = _mm256_set1_ps(q[i]);
-            for (int j = 0; j < 4; ++j) {
-                const __m256 s = _mm256_loadu_ps(row + 8 * j);
-                ks[j] = _mm256_fmadd_ps(ki, s, ks[j]);
-                qs[j] = _mm256_fmadd_ps(qi, s, qs[j]);
-            }
-        }
-        __m256 delta[4];
-        const __m256 b = _mm256_set1_ps(beta), dot_qk = _mm256_set1_ps(qk);
-        for (int j = 0; j < 4; ++j) {
-            delta[j] = _mm256_mul_ps(_mm256_fnmadd_ps(e, ks[j], _mm256_loadu_ps(v + c + 8 * j)), b);
-            _mm256_storeu_ps(out + c + 8 * j, _mm256_fmadd_ps(dot_qk, delta[j], _mm256_mul_ps(e, qs[j])));
-        }
-        for (int64_t i = 0; i < dk; ++i) {
-            float* row = S + i * dv + c;
-            const __m256 ki = _mm256_set1_ps(k[i]);
-            for (int j = 0; j < 4; ++j)
-                _mm256_storeu_ps(row + 8 * j, _mm256_fmadd_ps(ki, delta[j], _mm256_mul_ps(_mm256_loadu_ps(row + 8 * j), e)));
-        }
+    for (; c + 4 * W <= dv; c += 4 * W)
+        head_block<4>(S, q, k, v, decay, beta, qk, dk, dv, c, out, next, next_lines, per_row, prefetched);
+    if (c + 2 * W <= dv) {
+        head_block<2>(S, q, k, v, decay, beta, qk, dk, dv, c, out, next, next_lines, per_row, prefetched);
+        c += 2 * W;
     }
-    for (; c < dv; ++c) {  // columns left over when Dv is not a multiple of 32
+    if (c + W <= dv) {
+        head_block<1>(S, q, k, v, decay, beta, qk, dk, dv, c, out, next, next_lines, per_row, prefetched);
+        c += W;
+    }
+    for (; c < dv; ++c) {  // columns left over when Dv is not a multiple of W
         float ks = 0.0f, qs = 0.0f;
         for (int64_t i = 0; i < dk; ++i) {
             const float s = S[i * dv + c] * decay;
@@ -85,12 +103,12 @@ void head_step(float* S, const float* q, const float* k, const float* v, float g
     }
 }
 
-// x = SiLU(x) in place: 8 lanes at a time (a scalar expf per channel was ~10 us per 1,024-channel
+// x = SiLU(x) in place: a vector at a time (a scalar expf per channel was ~10 us per 1,024-channel
 // row, about a third of a batch-8 layer's native step on an AVX2 EPYC).
 void silu_inplace(float* x, int64_t n) {
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, avx2::silu(_mm256_loadu_ps(x + i)));
-    for (; i < n; ++i) x[i] = avx2::silu(x[i]);
+    for (; i + W <= n; i += W) vec::store(x + i, vec::silu(vec::load(x + i)));
+    for (; i < n; ++i) x[i] = vec::silu(x[i]);
 }
 
 // x * rsqrt(sum(x^2) + 1e-6) * scale, as gdn.py's _l2norm (then the query's Dk^-0.5).
@@ -130,7 +148,7 @@ void gates_row(const float* a, const float* b, const float* neg_rate, const floa
     for (int64_t h = 0; h < heads; ++h) {
         const float x = a[h] + dt_bias[h];
         g[h] = neg_rate[h] * (x > 20.0f ? x : log1pf(expf(x)));
-        beta[h] = avx2::sigmoid(b[h]);
+        beta[h] = vec::sigmoid(b[h]);
     }
 }
 
@@ -139,13 +157,13 @@ void gated_rms_norm(float* o, const float* z, const float* weight, float eps, in
     float sum = 0.0f;
     for (int64_t i = 0; i < n; ++i) sum += o[i] * o[i];
     const float factor = 1.0f / sqrtf(sum / (float)n + eps);
-    const __m256 f = _mm256_set1_ps(factor);
+    const vec::V f = vec::set1(factor);
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        const __m256 normed = _mm256_mul_ps(_mm256_loadu_ps(weight + i), _mm256_mul_ps(_mm256_loadu_ps(o + i), f));
-        _mm256_storeu_ps(o + i, _mm256_mul_ps(normed, avx2::silu(_mm256_loadu_ps(z + i))));
+    for (; i + W <= n; i += W) {
+        const vec::V normed = vec::mul(vec::load(weight + i), vec::mul(vec::load(o + i), f));
+        vec::store(o + i, vec::mul(normed, vec::silu(vec::load(z + i))));
     }
-    for (; i < n; ++i) o[i] = weight[i] * (o[i] * factor) * avx2::silu(z[i]);
+    for (; i < n; ++i) o[i] = weight[i] * (o[i] * factor) * vec::silu(z[i]);
 }
 
 struct Gated {  // the raw gate inputs and the output norm, for gdn_decode_gated_f32

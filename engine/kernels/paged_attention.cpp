@@ -7,39 +7,54 @@
 // index_selects: at batch 32 and 100 tokens, 0.8 ms of the tiny model's 6 ms step) and then runs
 // SDPA over it. Here, per row and KV head, the G = H / Hkv query heads sharing it take one pass
 // over the keys (scores), a softmax over the context, and one pass over the values: each K and
-// V vector is loaded once per row and KV head and used by all G query heads.
-#include <immintrin.h>
+// V vector is loaded once per row and KV head and used by all G query heads. Vector code
+// through vec.h: AVX2 or AVX-512.
 #include <math.h>
 #include <stdint.h>
 
-#include "avx2_math.h"
+#include "vec.h"
 
 #include <vector>
 
 namespace {
 
-inline float dot(const float* a, const float* b, int64_t n) {
+constexpr int W = vec::W;
+
+// The store's elements: float32, or bf16 (a bf16 model's store) widened to float32 as they are read.
+inline vec::V load_kv(const float* p) { return vec::load(p); }
+inline vec::V load_kv(const uint16_t* p) { return vec::load_bf16(p); }
+inline float kv_at(const float* p, int64_t i) { return p[i]; }
+inline float kv_at(const uint16_t* p, int64_t i) {
+    const uint32_t bits = (uint32_t)p[i] << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+template <typename S>
+inline float dot(const float* a, const S* b, int64_t n) {
     int64_t i = 0;
-    __m256 acc = _mm256_setzero_ps();
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    float sum = avx2::hsum(acc);
-    for (; i < n; ++i) sum += a[i] * b[i];
+    vec::V acc = vec::zero();
+    for (; i + W <= n; i += W) acc = vec::fmadd(vec::load(a + i), load_kv(b + i), acc);
+    float sum = vec::hsum(acc);
+    for (; i < n; ++i) sum += a[i] * kv_at(b, i);
     return sum;
 }
 
 // s[t] = scale * q . keys[offsets[t]] for t < n: eight positions at a time share one reduction.
-void scores_row(const float* q, const float* keys, const int64_t* offsets, int64_t n, int64_t dim, float scale,
+template <typename S>
+void scores_row(const float* q, const S* keys, const int64_t* offsets, int64_t n, int64_t dim, float scale,
                 float* s) {
     int64_t t = 0;
-    if (dim % 8 == 0) {
+    if (dim % W == 0) {
         for (; t + 8 <= n; t += 8) {
-            __m256 acc[8];
-            for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-            for (int64_t d = 0; d < dim; d += 8) {
-                const __m256 qv = _mm256_loadu_ps(q + d);
-                for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys + offsets[t + j] + d), acc[j]);
+            vec::V acc[8];
+            for (int j = 0; j < 8; ++j) acc[j] = vec::zero();
+            for (int64_t d = 0; d < dim; d += W) {
+                const vec::V qv = vec::load(q + d);
+                for (int j = 0; j < 8; ++j) acc[j] = vec::fmadd(qv, load_kv(keys + offsets[t + j] + d), acc[j]);
             }
-            _mm256_storeu_ps(s + t, _mm256_mul_ps(avx2::hsum8(acc), _mm256_set1_ps(scale)));
+            vec::hsum8_scaled(acc, scale, s + t);
         }
     }
     for (; t < n; ++t) s[t] = dot(q, keys + offsets[t], dim) * scale;
@@ -49,15 +64,15 @@ void scores_row(const float* q, const float* keys, const int64_t* offsets, int64
 void softmax(float* s, int64_t n) {
     float top = s[0];
     for (int64_t t = 1; t < n; ++t) top = s[t] > top ? s[t] : top;
-    const __m256 top8 = _mm256_set1_ps(top);
-    __m256 total8 = _mm256_setzero_ps();
+    const vec::V top_v = vec::set1(top);
+    vec::V total_v = vec::zero();
     int64_t t = 0;
-    for (; t + 8 <= n; t += 8) {
-        const __m256 e = avx2::exp(_mm256_sub_ps(_mm256_loadu_ps(s + t), top8));
-        _mm256_storeu_ps(s + t, e);
-        total8 = _mm256_add_ps(total8, e);
+    for (; t + W <= n; t += W) {
+        const vec::V e = vec::exp(vec::sub(vec::load(s + t), top_v));
+        vec::store(s + t, e);
+        total_v = vec::add(total_v, e);
     }
-    float total = avx2::hsum(total8);
+    float total = vec::hsum(total_v);
     for (; t < n; ++t) {
         s[t] = expf(s[t] - top);
         total += s[t];
@@ -67,48 +82,46 @@ void softmax(float* s, int64_t n) {
 }
 
 // out[0..n) += w * v[0..n)
-inline void axpy(float w, const float* v, float* out, int64_t n) {
+template <typename S>
+inline void axpy(float w, const S* v, float* out, int64_t n) {
     int64_t i = 0;
-    const __m256 wv = _mm256_set1_ps(w);
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(out + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + i), _mm256_loadu_ps(out + i)));
-    for (; i < n; ++i) out[i] += w * v[i];
+    const vec::V wv = vec::set1(w);
+    for (; i + W <= n; i += W) vec::store(out + i, vec::fmadd(wv, load_kv(v + i), vec::load(out + i)));
+    for (; i < n; ++i) out[i] += w * kv_at(v, i);
 }
 
 // o[0..n) *= sigmoid(gate[0..n))
 void gate_row(float* o, const float* gate, int64_t n) {
     int64_t i = 0;
-    const __m256 one = _mm256_set1_ps(1.0f);
-    for (; i + 8 <= n; i += 8) {
-        const __m256 e = avx2::exp(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_loadu_ps(gate + i)));
-        _mm256_storeu_ps(o + i, _mm256_div_ps(_mm256_loadu_ps(o + i), _mm256_add_ps(one, e)));
+    const vec::V one = vec::set1(1.0f);
+    for (; i + W <= n; i += W) {
+        const vec::V e = vec::exp(vec::sub(vec::zero(), vec::load(gate + i)));
+        vec::store(o + i, vec::div(vec::load(o + i), vec::add(one, e)));
     }
     for (; i < n; ++i) o[i] *= 1.0f / (1.0f + expf(-gate[i]));
 }
 
 }  // namespace
 
-// The new K/V of the batch's rows, written into the store before attending (null: already written).
-struct NewKV {
-    const float *keys, *values;       // [B, Hkv, D], D contiguous
+// The new K/V of the batch's rows, written into the store before attending (null: already written),
+// in the store's element type.
+template <typename S>
+struct NewKVOf {
+    const S *keys, *values;           // [B, Hkv, D], D contiguous
     int64_t ldk_row, ldk_head, ldv_row, ldv_head;
     const int64_t* slots;             // [B] flat store slots, block * block_size + offset
 };
+using NewKV = NewKVOf<float>;
 
-// q: [B, H, D] (strides ldq_row, ldq_head; D contiguous); keys, values: the layer's store
-// [num_blocks, block_size, Hkv, D] contiguous; block_tables: [B, W] (row stride ld_table);
-// context_lens: [B] tokens each row sees (1 .. W * block_size); gate: [B, H, D] (strides
-// ldg_row, ldg_head) or null for no gate; new_kv: the rows' own K/V to write first, or null;
-// out: [B, H * D] contiguous. Query head h reads KV head h / (H / Hkv). scale multiplies the
-// scores (1 / sqrt(D) for SDPA's default). Returns 0, or -1 (nothing written) when a context
-// length is outside 1 .. W * block_size, a block id it reaches is outside 0 .. num_blocks - 1 or
-// a new K/V slot is outside the store: a bad table is an error, never an access out of bounds.
-extern "C" int paged_decode_attention_f32(const float* q, int64_t ldq_row, int64_t ldq_head, float* keys,
-                                          float* values, int64_t num_blocks, int64_t block_size,
-                                          const int64_t* block_tables, int64_t ld_table, int64_t table_width,
-                                          const int64_t* context_lens, const float* gate, int64_t ldg_row,
-                                          int64_t ldg_head, const NewKV* new_kv, int64_t batch, int64_t num_heads,
-                                          int64_t num_kv_heads, int64_t head_dim, float scale, float* out) {
+namespace {
+
+// The decode attention of every row (see paged_decode_attention_f32) over a store of element S.
+template <typename S>
+int attend(const float* q, int64_t ldq_row, int64_t ldq_head, S* keys, S* values, int64_t num_blocks,
+           int64_t block_size, const int64_t* block_tables, int64_t ld_table, int64_t table_width,
+           const int64_t* context_lens, const float* gate, int64_t ldg_row, int64_t ldg_head,
+           const NewKVOf<S>* new_kv, int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+           float scale, float* out) {
     for (int64_t b = 0; b < batch; ++b) {
         const int64_t context = context_lens[b];
         if (context < 1 || context > table_width * block_size) return -1;
@@ -122,8 +135,8 @@ extern "C" int paged_decode_attention_f32(const float* q, int64_t ldq_row, int64
         for (int64_t b = 0; b < batch; ++b)
             for (int64_t kh = 0; kh < num_kv_heads; ++kh) {
                 const int64_t at = (new_kv->slots[b] * num_kv_heads + kh) * head_dim;
-                const float* k = new_kv->keys + b * new_kv->ldk_row + kh * new_kv->ldk_head;
-                const float* v = new_kv->values + b * new_kv->ldv_row + kh * new_kv->ldv_head;
+                const S* k = new_kv->keys + b * new_kv->ldk_row + kh * new_kv->ldk_head;
+                const S* v = new_kv->values + b * new_kv->ldv_row + kh * new_kv->ldv_head;
                 for (int64_t d = 0; d < head_dim; ++d) {
                     keys[at + d] = k[d];
                     values[at + d] = v[d];
@@ -143,8 +156,8 @@ extern "C" int paged_decode_attention_f32(const float* q, int64_t ldq_row, int64
                 offsets[t] = (table[i] * block_size + off) * token_stride;
         scores.resize((size_t)(group * context));
         for (int64_t kh = 0; kh < num_kv_heads; ++kh) {
-            const float* k_head = keys + kh * head_dim;
-            const float* v_head = values + kh * head_dim;
+            const S* k_head = keys + kh * head_dim;
+            const S* v_head = values + kh * head_dim;
             float* o_group = out + (b * num_heads + kh * group) * head_dim;  // [G, D]
             for (int64_t g = 0; g < group; ++g) {
                 float* s = scores.data() + g * context;
@@ -154,7 +167,7 @@ extern "C" int paged_decode_attention_f32(const float* q, int64_t ldq_row, int64
             }
             for (int64_t i = 0; i < group * head_dim; ++i) o_group[i] = 0.0f;
             for (int64_t t = 0; t < context; ++t) {
-                const float* v = v_head + offsets[t];
+                const S* v = v_head + offsets[t];
                 for (int64_t g = 0; g < group; ++g) axpy(scores[g * context + t], v, o_group + g * head_dim, head_dim);
             }
         }
@@ -163,4 +176,37 @@ extern "C" int paged_decode_attention_f32(const float* q, int64_t ldq_row, int64
                 gate_row(out + (b * num_heads + h) * head_dim, gate + b * ldg_row + h * ldg_head, head_dim);
     }
     return 0;
+}
+
+}  // namespace
+
+// q: [B, H, D] (strides ldq_row, ldq_head; D contiguous); keys, values: the layer's store
+// [num_blocks, block_size, Hkv, D] contiguous; block_tables: [B, W] (row stride ld_table);
+// context_lens: [B] tokens each row sees (1 .. W * block_size); gate: [B, H, D] (strides
+// ldg_row, ldg_head) or null for no gate; new_kv: the rows' own K/V to write first, or null;
+// out: [B, H * D] contiguous. Query head h reads KV head h / (H / Hkv). scale multiplies the
+// scores (1 / sqrt(D) for SDPA's default). Returns 0, or -1 (nothing written) when a context
+// length is outside 1 .. W * block_size, a block id it reaches is outside 0 .. num_blocks - 1 or
+// a new K/V slot is outside the store: a bad table is an error, never an access out of bounds.
+extern "C" int paged_decode_attention_f32(const float* q, int64_t ldq_row, int64_t ldq_head, float* keys,
+                                          float* values, int64_t num_blocks, int64_t block_size,
+                                          const int64_t* block_tables, int64_t ld_table, int64_t table_width,
+                                          const int64_t* context_lens, const float* gate, int64_t ldg_row,
+                                          int64_t ldg_head, const NewKV* new_kv, int64_t batch, int64_t num_heads,
+                                          int64_t num_kv_heads, int64_t head_dim, float scale, float* out) {
+    return attend(q, ldq_row, ldq_head, keys, values, num_blocks, block_size, block_tables, ld_table, table_width,
+                  context_lens, gate, ldg_row, ldg_head, new_kv, batch, num_heads, num_kv_heads, head_dim, scale, out);
+}
+
+// The same over a bf16 store (bits as uint16; the new K/V bf16 too, copied as they are): q, gate
+// and out stay float32, each K and V element is widened as it is read.
+extern "C" int paged_decode_attention_bf16(const float* q, int64_t ldq_row, int64_t ldq_head, uint16_t* keys,
+                                           uint16_t* values, int64_t num_blocks, int64_t block_size,
+                                           const int64_t* block_tables, int64_t ld_table, int64_t table_width,
+                                           const int64_t* context_lens, const float* gate, int64_t ldg_row,
+                                           int64_t ldg_head, const NewKVOf<uint16_t>* new_kv, int64_t batch,
+                                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
+                                           float* out) {
+    return attend(q, ldq_row, ldq_head, keys, values, num_blocks, block_size, block_tables, ld_table, table_width,
+                  context_lens, gate, ldg_row, ldg_head, new_kv, batch, num_heads, num_kv_heads, head_dim, scale, out);
 }

@@ -2,7 +2,9 @@
 
 Each row reads its own context through its block table: no gathered [B, S, Hkv, D] copy of
 K and V per layer, no mask over the padded table, and the output gate (``out * sigmoid(gate)``)
-and the [B, H * D] layout o_proj wants come out of the same call. float32 on an AVX2 CPU.
+and the [B, H * D] layout o_proj wants come out of the same call. A float32 store, or a bf16 one
+(a bf16 model's: each K and V element widened as it is read, q and the gate widened before the
+call, the output rounded back to bf16 once), on any kernel variant (native.VARIANTS).
 """
 from __future__ import annotations
 
@@ -25,8 +27,11 @@ _SIGNATURE = (_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, 
               ctypes.POINTER(_NewKV), _I64, _I64, _I64, _I64, ctypes.c_float, _PTR)
 
 
-def _kernel():
-    return native.bind("paged_attention", "paged_decode_attention_f32", _SIGNATURE, ctypes.c_int)
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}  # by the store's dtype
+
+
+def _kernel(store_dtype: torch.dtype = torch.float32):
+    return native.bind("paged_attention", f"paged_decode_attention_{_SUFFIX[store_dtype]}", _SIGNATURE, ctypes.c_int)
 
 
 def available() -> bool:
@@ -36,11 +41,12 @@ def available() -> bool:
 
 def applies(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_tables: torch.Tensor,
             context_lens: torch.Tensor, gate: torch.Tensor | None) -> bool:
-    """Shapes, dtypes and strides the kernel takes (float32 CPU; unit inner strides; contiguous store)."""
+    """Shapes, dtypes and strides the kernel takes (CPU; a float32 store with float32 q and gate, or a bf16
+    store with q and gate of its dtype; unit inner strides; contiguous store)."""
     if torch.compiler.is_compiling() or not native.enabled():  # a compiled graph calls the custom op instead
         return False
     floats = (q, keys, values) + (() if gate is None else (gate,))
-    if not all(t.dtype == torch.float32 and t.device.type == "cpu" for t in floats):
+    if keys.dtype not in _SUFFIX or not all(t.dtype == keys.dtype and t.device.type == "cpu" for t in floats):
         return False
     if q.dim() != 3 or keys.dim() != 4 or keys.shape != values.shape:
         return False
@@ -79,6 +85,9 @@ def decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_tabl
         return None
     if new_kv is not None and not _fits_new_kv(q, keys, new_kv):
         return None
+    store_dtype = keys.dtype
+    if store_dtype != torch.float32:  # the kernel reads q and the gate in float32
+        q, gate = q.float(), None if gate is None else gate.float()
     batch, heads, head_dim = q.shape
     num_blocks, block_size, kv_heads, _ = keys.shape
     out = q.new_empty(batch, heads * head_dim)  # [B, H * D]
@@ -88,11 +97,12 @@ def decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_tabl
         new_keys, new_values, slots = new_kv
         write = ctypes.byref(_NewKV(new_keys.data_ptr(), new_values.data_ptr(), new_keys.stride(0), new_keys.stride(1),
                                     new_values.stride(0), new_values.stride(1), slots.data_ptr()))
-    status = _kernel()(q.data_ptr(), q.stride(0), q.stride(1), keys.data_ptr(), values.data_ptr(), num_blocks, block_size,
-                 block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1], context_lens.data_ptr(),
-                 gate_ptr, ldg_row, ldg_head, write, batch, heads, kv_heads, head_dim,
-                 head_dim ** -0.5 if scale is None else scale, out.data_ptr())
+    status = _kernel(store_dtype)(
+        q.data_ptr(), q.stride(0), q.stride(1), keys.data_ptr(), values.data_ptr(), num_blocks, block_size,
+        block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1], context_lens.data_ptr(),
+        gate_ptr, ldg_row, ldg_head, write, batch, heads, kv_heads, head_dim,
+        head_dim ** -0.5 if scale is None else scale, out.data_ptr())
     if status != 0:
         raise ValueError(f"paged decode attention: a context length outside 1 .. {block_tables.shape[1] * block_size},"
                          f" a block id outside 0 .. {num_blocks - 1} or a new K/V slot outside the store")
-    return out
+    return out if store_dtype == torch.float32 else out.to(store_dtype)

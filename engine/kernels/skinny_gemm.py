@@ -1,8 +1,11 @@
 """Decode-sized ``x @ weight^T`` (skinny_gemm.cpp): ``pack`` a weight once, then ``linear`` per call.
 
-The packed copy ([ceil(N / 16), K, 16] float32, zero-padded columns) is made once per weight and
-serves every row count from 1 to MAX_ROWS, so memory does not grow with the shapes a server sees.
-Single-threaded: with more torch threads the libraries split the work and the callers keep them.
+The packed copy is made once per weight and serves every row count from 1 to MAX_ROWS, so memory
+does not grow with the shapes a server sees: float32 weights as [ceil(N / 16), K, 16], bf16 ones
+as [ceil(N / 16), ceil(K / 2), 32] (a k pair per column per line: AVX512-BF16's dot product, or
+widened to float32 FMAs without it), zero-padded. bf16 calls take bf16 x and return bf16 (float32
+sums, rounded once, as torch's bf16 GEMMs). Every kernel variant (native.VARIANTS) reads the same
+copy. Single-threaded: with more torch threads the libraries split the work and the callers keep them.
 """
 from __future__ import annotations
 
@@ -27,14 +30,16 @@ ENABLED = os.environ.get("CHUNKSCOPE_SKINNY_GEMM", "1") != "0"
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _GEMM_SIGNATURE = (_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64)
 _PACK_SIGNATURE = (_PTR, _I64, _I64, _I64, _PTR)
+# The dtypes the kernels take: the C functions' suffix and the k values per column per packed line.
+KINDS = {torch.float32: ("f32", 1), torch.bfloat16: ("bf16", 2)}
 
 
-def _gemm():
-    return native.bind("skinny_gemm", "packed_gemm_f32", _GEMM_SIGNATURE)
+def _gemm(dtype: torch.dtype = torch.float32):
+    return native.bind("skinny_gemm", f"packed_gemm_{KINDS[dtype][0]}", _GEMM_SIGNATURE)
 
 
-def _pack():
-    return native.bind("skinny_gemm", "pack_weight_f32", _PACK_SIGNATURE)
+def _pack(dtype: torch.dtype = torch.float32):
+    return native.bind("skinny_gemm", f"pack_weight_{KINDS[dtype][0]}", _PACK_SIGNATURE)
 
 
 def available() -> bool:
@@ -42,42 +47,50 @@ def available() -> bool:
     return _gemm() is not None and _pack() is not None
 
 
+def packed_line(inner: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(lines per panel, elements per line) of the packed copy of a weight with ``inner`` columns."""
+    per_col = KINDS[dtype][1]
+    return -(-inner // per_col), PANEL_COLS * per_col
+
+
 def applies(x: torch.Tensor) -> bool:
-    """Whether ``x`` runs natively: float32 CPU [1..MAX_ROWS, K] with unit inner stride, at 1 torch thread."""
+    """Whether ``x`` runs natively: float32 or bf16 CPU [1..MAX_ROWS, K] with unit inner stride, at 1 torch thread."""
     if torch.compiler.is_compiling():  # first: a compiled graph traces the library GEMM, nothing of this
         return False
-    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype == torch.float32 and x.device.type == "cpu"
+    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype in KINDS and x.device.type == "cpu"
             and x.stride(1) == 1 and torch.get_num_threads() == 1 and ENABLED and native.enabled())
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """weight [N, K] float32 CPU (unit inner stride) -> its packed copy [ceil(N / 16), K, 16], or None here.
+    """weight [N, K] float32 or bf16 CPU (unit inner stride) -> its packed copy, or None here.
 
+    [ceil(N / 16), K, 16] for float32, [ceil(N / 16), ceil(K / 2), 32] for bf16 (``packed_line``).
     None too while the kernel is off (CHUNKSCOPE_SKINNY_GEMM=0, CHUNKSCOPE_NATIVE_KERNELS=0): no copy is made.
     """
-    if not (weight.dim() == 2 and weight.dtype == torch.float32 and weight.device.type == "cpu"
+    if not (weight.dim() == 2 and weight.dtype in KINDS and weight.device.type == "cpu"
             and weight.stride(1) == 1 and ENABLED and native.enabled() and available()):
         return None
     out_cols, inner = weight.shape
-    packed = weight.new_empty(-(-out_cols // PANEL_COLS), inner, PANEL_COLS)
-    _pack()(weight.data_ptr(), weight.stride(0), out_cols, inner, packed.data_ptr())
+    packed = weight.new_empty(-(-out_cols // PANEL_COLS), *packed_line(inner, weight.dtype))
+    _pack(weight.dtype)(weight.data_ptr(), weight.stride(0), out_cols, inner, packed.data_ptr())
     return packed
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_cols: int,
            bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """x [M, K] @ W^T (+ bias [N]) -> [M, N] from ``packed = pack(W)``; None where the kernel does not apply."""
-    if not (applies(x) and available()):
+    """x [M, K] @ W^T (+ bias [N]) -> [M, N] in x's dtype from ``packed = pack(W)``; None where the kernel
+    does not apply (a packed copy of another dtype than x's too)."""
+    if not (applies(x) and available()) or packed.dtype != x.dtype:
         return None
     rows, inner = x.shape
-    if (packed.dim() != 3 or packed.shape[1:] != (inner, PANEL_COLS) or packed.shape[0] != -(-out_cols // PANEL_COLS)
-            or not packed.is_contiguous() or packed.dtype != torch.float32
+    if (packed.dim() != 3 or packed.shape[1:] != packed_line(inner, x.dtype)
+            or packed.shape[0] != -(-out_cols // PANEL_COLS) or not packed.is_contiguous()
             or (bias is not None and bias.shape != (out_cols,))):
         raise ValueError(f"skinny linear: x {tuple(x.shape)}, packed {tuple(packed.shape)} for {out_cols} columns, "
                          f"bias {None if bias is None else tuple(bias.shape)} do not fit")
-    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+    if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
         return None
     y = x.new_empty(rows, out_cols)  # [M, N]
-    _gemm()(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
-            y.data_ptr(), y.stride(0), rows, out_cols, inner)
+    _gemm(x.dtype)(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                   y.data_ptr(), y.stride(0), rows, out_cols, inner)
     return y

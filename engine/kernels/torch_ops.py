@@ -1,7 +1,8 @@
 """The native decode kernels as C++ torch operators (cpp_ops/torch_ops.cpp): ``torch.ops.chunkscope_native.*``.
 
 Built once (g++ against torch's headers, ~15 s; cached by content hash beside the ctypes kernels,
-``native.build_library``) and loaded with ``torch.ops.load_library``. A compiled decode step
+``native.build_library``; in the kernel variant in force then, ``VARIANT``) and loaded with
+``torch.ops.load_library``. A compiled decode step
 calls them as graph nodes, so a call costs a dispatcher hop where the Python custom ops
 (``custom_ops.py``) and the ctypes entry points cost 10-50 us of Python each. Built only where
 a compiled step asks for it (``available()``), never by an eager forward, so a test or a server
@@ -26,12 +27,17 @@ NAMESPACE = "chunkscope_native"
 # built alone), and the kernels compiled into the same library.
 SOURCE = native.SOURCE_DIR / "cpp_ops" / "torch_ops.cpp"
 KERNEL_SOURCES = ("skinny_gemm", "gdn_step", "paged_attention")
+# The kernel variant (native.VARIANTS) the loaded operators were built in: the one in force at
+# the first ``available()``, for the rest of the process (torch cannot unload a library).
+VARIANT: str | None = None
 
 
-def _flags() -> list[str]:
+def _flags(variant: str) -> list[str]:
+    """``variant``'s kernel flags (native.flags: the vector width and ISA) with torch's headers and libraries."""
     root = Path(torch.__file__).resolve().parent
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    return ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+    kernel_flags = [flag for flag in native.flags(variant) if not flag.startswith("-std=")]
+    return [*kernel_flags, "-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
             f"-I{root / 'include'}", f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
             f"-L{root / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{root / 'lib'}"]
 
@@ -39,14 +45,18 @@ def _flags() -> list[str]:
 @functools.cache
 def available() -> bool:
     """Whether ``torch.ops.chunkscope_native`` is loaded (builds it on the first call; False, logged once)."""
-    cxx = native.compiler()
-    reason = native.why_unavailable(native._cpu_flags(), cxx)
+    cxx, variant = native.compiler(), native.variant_in_force()
+    reason = "no kernel variant" if variant is None else native.why_unavailable(native._cpu_flags(), cxx, variant)
     if reason is None:
         sources = [SOURCE] + [native.SOURCE_DIR / f"{name}.cpp" for name in KERNEL_SOURCES]
         try:
             # The torch version is in the key: the library links against this torch's ABI.
-            target = native.hashed_path("torch_ops", sources, cxx, _flags(), native.SOURCE_DIR, key=torch.__version__)
-            library = native.build_library(target, sources, cxx, _flags())
+            flags = _flags(variant)
+            target = native.hashed_path(f"torch_ops.{variant}", sources, cxx, flags, native.SOURCE_DIR,
+                                        key=torch.__version__)
+            library = native.build_library(target, sources, cxx, flags)
+            global VARIANT
+            VARIANT = variant
             torch.ops.load_library(str(library))
             _register_fakes()
             return True

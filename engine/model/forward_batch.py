@@ -19,7 +19,8 @@ class PrefillChunk:
     """prompt[offset:offset+length] of one sequence; logits at its last token when ``is_last``.
 
     ``capture_at`` (offset < capture_at < offset+length): also capture the SSM state after
-    prompt[:capture_at] (``ForwardOutput.capture``) without splitting the chunk."""
+    prompt[:capture_at] (``ForwardOutput.capture``) without splitting the chunk. ``every_row``: the
+    logits of every chunk row too (``ForwardOutput.chunk_logits``), for prompt logprobs."""
 
     seq: SequenceState
     prompt: Sequence[int]
@@ -27,6 +28,7 @@ class PrefillChunk:
     length: int
     is_last: bool
     capture_at: int | None = None
+    every_row: bool = False
 
 
 @dataclass(frozen=True)
@@ -61,3 +63,4 @@ class ForwardOutput:
     prefill_logits: torch.Tensor | None   # [V] at the chunk's last token (a last chunk), else None
     decode_logits: torch.Tensor           # [B, V], rows in ``decode_seqs`` order
     capture: SSMSnapshot | None = None    # the state ``capture_at`` asked for
+    chunk_logits: torch.Tensor | None = None   # [length, V] with ``every_row``: row j predicts prompt token offset + j + 1

@@ -32,8 +32,8 @@ class GateUpSiLU:
     def traced_applies(self, x: torch.Tensor) -> bool:
         """While dynamo traces: whether ``x`` [T, hidden] takes the C++ operator."""
         return (self.packed is not None and custom_ops.native_gemm_ready() and x.dim() == 2
-                and 0 < x.shape[0] <= skinny_gemm.MAX_ROWS and x.dtype == torch.float32 == self.weight.dtype
-                and x.device.type == "cpu")
+                and 0 < x.shape[0] <= skinny_gemm.MAX_ROWS and x.dtype == self.packed.dtype
+                and x.dtype in skinny_gemm.KINDS and x.device.type == "cpu")
 
     def runs_native(self, x: torch.Tensor) -> bool:
         """Whether ``x`` [T, hidden] would take the native kernel."""

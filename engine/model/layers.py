@@ -105,8 +105,8 @@ class FusedLinear:
     def traced_skinny_applies(self, x: torch.Tensor) -> bool:
         """While dynamo traces: whether ``x`` [T, in] takes the C++ skinny GEMM operator."""
         return (self.skinny_packed is not None and custom_ops.native_gemm_ready() and x.dim() == 2
-                and 0 < x.shape[0] <= skinny_gemm.MAX_ROWS and x.dtype == torch.float32 == self.weight.dtype
-                and x.device.type == "cpu")
+                and 0 < x.shape[0] <= skinny_gemm.MAX_ROWS and x.dtype == self.skinny_packed.dtype
+                and x.dtype in skinny_gemm.KINDS and x.device.type == "cpu")
 
     def can_pack(self, x: torch.Tensor) -> bool:
         """Whether ``x`` [T, in] takes the prepacked path (never in a compiled graph: inductor cannot lower
@@ -187,9 +187,12 @@ class ZeroCenteredRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.scale is not None:
-            out = rms_norm.rms_norm(x, self.scale, self.eps)  # one native call for decode-sized fp32 rows
+            # One native call for decode-sized rows: fp32 as they are; bf16 widened for the float32
+            # kernel and rounded back once (3 ops against the torch path's 8, which computes in fp32 too).
+            wide = x.float() if x.dtype == torch.bfloat16 and x.numel() <= rms_norm.MAX_ELEMENTS else x
+            out = rms_norm.rms_norm(wide, self.scale, self.eps)
             if out is not None:
-                return out
+                return out if out.dtype == x.dtype else out.to(x.dtype)
         scale = self.scale if self.scale is not None else 1.0 + self.weight.float()
         out = _rms_normalize(x, self.eps) * scale
         return out if out.dtype == x.dtype else out.to(x.dtype)

@@ -113,9 +113,9 @@ class ModelRunner:
             prefill = (chunk, prefill_seq.num_cached_tokens, prefill_seq.block_table, prefill_seq.ssm_slot)
         decodes = [(tok, seq.num_cached_tokens, seq.block_table, seq.ssm_slot)
                    for seq, tok in zip(decode_seqs, decode_tokens)]
-        rows = list(range(len(chunk), len(chunk) + len(decode_seqs)))
-        if prefill_seq is not None and is_last:
-            rows.insert(0, len(chunk) - 1)
+        every_row = chunk_spec is not None and chunk_spec.every_row
+        num_prefill_rows = len(chunk) if every_row else int(prefill_seq is not None and is_last)
+        rows = list(range(len(chunk) - num_prefill_rows, len(chunk) + len(decode_seqs)))
         capture = None
         self.last_forward_compiled = prefill_seq is None and self._may_compile(len(decode_seqs))
         if self.last_forward_compiled:
@@ -136,8 +136,9 @@ class ModelRunner:
             seq.num_cached_tokens += 1
         if self.pools.innerq is not None:
             self.pools.innerq.after_forward(moved)  # blocks that left the windows become 4/8-bit
-        prefill_logits = logits[0] if prefill_seq is not None and is_last else None
-        return ForwardOutput(prefill_logits, logits[len(rows) - len(decode_seqs):], captured)
+        prefill_logits = logits[num_prefill_rows - 1] if prefill_seq is not None and is_last else None
+        chunk_logits = logits[:num_prefill_rows] if every_row else None                 # [length, V]
+        return ForwardOutput(prefill_logits, logits[num_prefill_rows:], captured, chunk_logits)
 
     def prefill_chunk(self, seq: SequenceState, prompt: list[int], offset: int, length: int,
                       is_last: bool) -> torch.Tensor | None:

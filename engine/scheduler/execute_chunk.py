@@ -14,9 +14,9 @@ from __future__ import annotations
 from engine.cache.kv import KVCacheExhausted
 from engine.cache.pools import CachePools
 from engine.cache.ssm_pool import SSMSnapshot
-from engine.model.forward_batch import ForwardBatch, PrefillChunk
+from engine.model.forward_batch import ForwardBatch, ForwardOutput, PrefillChunk
 from engine.model.runner import ModelRunner
-from engine.scheduler import forward_failure, prefix_step
+from engine.scheduler import forward_failure, logprobs, prefix_step
 from engine.scheduler.context import TickContext
 from engine.scheduler.endings import choose_victim, finish, preempt
 from engine.scheduler.plan import ChunkStep, TickPlan
@@ -66,7 +66,7 @@ def _poll_kv_quant(ctx: TickContext, pools: CachePools, req: Request) -> str:
 def _chunk_of(step: ChunkStep) -> PrefillChunk:
     req = step.request
     return PrefillChunk(req.seq, req.prompt_tokens, req.chunk_offset, step.chunk.length, step.chunk.is_last,
-                        step.capture_at)
+                        step.capture_at, every_row=logprobs.wants_prompt_logprobs(req))
 
 
 def _run_mixed(plan: TickPlan, ctx: TickContext, queues: Queues, pools: CachePools, runner: ModelRunner,
@@ -104,7 +104,7 @@ def _run_mixed(plan: TickPlan, ctx: TickContext, queues: Queues, pools: CachePoo
             return
         row.path = ev.PATH_MIXED
         req.chunk_offset += step.chunk.length
-        _after_chunk(ctx, pools, req, step.capture_at, result.capture)
+        _after_chunk(ctx, pools, req, step, result)
     out.chunk_ran, out.prefill_logits = True, result.prefill_logits
     out.decode_batch, out.decode_logits, out.num_decode = decodes, result.decode_logits, len(decodes)
 
@@ -153,7 +153,7 @@ def _run_plain(step: ChunkStep, ctx: TickContext, queues: Queues, pools: CachePo
         if row.outcome != ev.OUTCOME_MIXED_KV_FALLBACK:
             row.outcome = ev.OUTCOME_OK
         req.chunk_offset += step.chunk.length
-        _after_chunk(ctx, pools, req, step.capture_at, result.capture)
+        _after_chunk(ctx, pools, req, step, result)
     out.chunk_ran, out.prefill_logits = True, result.prefill_logits
 
 
@@ -169,12 +169,14 @@ def _no_victim(ctx: TickContext, queues: Queues, pools: CachePools, req: Request
         ctx.event("preemption_blocked", req.request_id, {"num_grammar_skipped": num_held})
 
 
-def _after_chunk(ctx: TickContext, pools: CachePools, req: Request, capture_at: int | None,
-                 captured: SSMSnapshot | None) -> None:
-    """SSM normalization, then the prefix cache's blocks and snapshots; on the current (prefill)
-    stream, so on a GPU they read the state the chunk's forward wrote, not an older one."""
+def _after_chunk(ctx: TickContext, pools: CachePools, req: Request, step: ChunkStep, result: ForwardOutput) -> None:
+    """The chunk's prompt logprobs (when asked for), SSM normalization, then the prefix cache's blocks
+    and snapshots; on the current (prefill) stream, so on a GPU they read the state the chunk's
+    forward wrote, not an older one."""
+    if result.chunk_logits is not None:
+        logprobs.record_prompt(req, result.chunk_logits, req.chunk_offset - step.chunk.length)
     _normalize(ctx, pools, req)
-    prefix_step.on_chunk_done(ctx, pools, req, capture_at, captured)
+    prefix_step.on_chunk_done(ctx, pools, req, step.capture_at, result.capture)
 
 
 def _normalize(ctx: TickContext, pools: CachePools, req: Request) -> None:

@@ -22,7 +22,7 @@ parameters (min-p possibly overridden, e.g. to 0.0 under MTP with the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Collection
+from typing import Collection, Sequence
 
 import torch
 
@@ -85,6 +85,7 @@ def sample_first_token(
     eos_ids: Collection[int],
     min_p_override: float | None = None,
     grammar_allowed_ids: Collection[int] | None = None,
+    prompt_tokens: Sequence[int] = (),
 ) -> int:
     """Token 0 of a sequence: forced, or sampled with the policy's bans (and the grammar when it applies)."""
     if logits.dim() != 1:
@@ -106,5 +107,6 @@ def sample_first_token(
         raise ValueError(
             f"first token: every token is banned (policy rules {policy.rules}, "
             f"{len(banned)} banned ids, grammar {'on' if grammar_allowed_ids is not None else 'off'})")
-    token = sample_next(row, [params], [generator], [0], set(eos_ids), min_p_override=[min_p_override])
+    token = sample_next(row, [params], [generator], [0], set(eos_ids), min_p_override=[min_p_override],
+                        output_tokens=[()], prompt_tokens=[prompt_tokens])
     return int(token[0].item())

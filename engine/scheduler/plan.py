@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.cache.pools import CachePools
-from engine.scheduler import prefix_step
+from engine.scheduler import prefix_step, siblings
 from engine.scheduler.chunk_plan import ChunkPlan, plan_chunk, whole_prompt_rule
 from engine.scheduler.context import TickContext
 from engine.scheduler.mixing import DraftDrop, MixVerdict, can_mix, decode_order, plan_draft_drop
@@ -57,15 +57,16 @@ def plan_tick(ctx: TickContext, queues: Queues, pools: CachePools) -> TickPlan:
     if req is None or decodes_owed:
         return TickPlan(KIND_DECODE, decode_rows=tuple(decode_rows(active)))
     levers, traits = ctx.levers, ctx.traits
+    tail_ckpt = siblings.tail_ckpt(levers, req.features, prefix_on=pools.prefix is not None)
     chunk = plan_chunk(
         prompt_len=req.prompt_len, offset=req.chunk_offset, max_prefill_tokens=levers.max_prefill_tokens,
         slice_budget=levers.slice_budget if levers.always_mixed else None, is_mla=traits.is_mla,
-        block_size=traits.block_size, ssm_tail_ckpt=levers.ssm_tail_ckpt, ssm_tail_midchunk=levers.ssm_tail_midchunk,
+        block_size=traits.block_size, ssm_tail_ckpt=tail_ckpt, ssm_tail_midchunk=levers.ssm_tail_midchunk,
         tail_split=traits.prefill_tail_split(req.prompt_tokens), mla_chunked_prefill=levers.mla_chunked_prefill)
     verdict = can_mix(bisect_no_mix=levers.bisect_no_mix, num_active=len(active), is_ep=traits.is_ep,
                       speculation=levers.speculation)
     capture_at = prefix_step.capture_point(
-        levers, prefix_on=pools.prefix is not None, has_linear_attention=traits.has_linear_attention,
+        levers, tail_ckpt=tail_ckpt, prefix_on=pools.prefix is not None, has_linear_attention=traits.has_linear_attention,
         block_size=traits.block_size, prompt_len=req.prompt_len, offset=req.chunk_offset, length=chunk.length,
         whole_prompt=whole_prompt_rule(traits.is_mla, levers.mla_chunked_prefill))
     if not verdict.can_mix:

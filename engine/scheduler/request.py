@@ -49,6 +49,7 @@ class Request:
     grammar: Any = None               # engine.grammar.matcher.GrammarState once compiled
     grammar_ready_tick: int | None = None   # the tick it was seen compiled (a replay waits for it)
     grammar_valid: bool | None = None       # the ended output is a complete sentence of the grammar
+    grammar_approximations: tuple[str, ...] = ()   # schema keywords its lenient compile ignored
     pending_drafts: list[int] = field(default_factory=list)
     # Left by the last speculative step for the next one (engine/scheduler/spec_step.py): the
     # cached-token count the drafts were proposed at (made on the secondary stream). Stale
@@ -60,6 +61,8 @@ class Request:
     first_token_rules: str | None = None              # which first-token rules fired (set at token 0)
     # With features.logprobs: per output token (its logprob, [(id, logprob)] of the top k).
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    # With features.prompt_logprobs: per prompt token from token 1 on, as ``logprobs``.
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     stop_string: str | None = None                    # the stop string that ended the output, if any
 
     def __post_init__(self) -> None:
@@ -110,6 +113,7 @@ class Request:
             grammar=self.grammar_spec.to_dict() if self.grammar_spec is not None else None,
             grammar_kind=self.grammar_spec.kind if self.grammar_spec is not None else None,
             grammar_ready_tick=self.grammar_ready_tick, grammar_valid=self.grammar_valid,
+            grammar_approximations=",".join(self.grammar_approximations) or None,
         )
 
     def _features_dict(self) -> dict:

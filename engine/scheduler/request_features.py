@@ -1,5 +1,6 @@
 """What a request asks of the engine beyond sampling: where it came from, its first-token
-rules (thinking, a required tool call), stop strings and logprobs.
+rules (thinking, a required tool call), stop strings, logprobs (of its output and of its
+prompt) and, for one of n choices of one API request, which one it is.
 
 The features travel with the request (``Scheduler.submit``), are stored in its ``requests``
 row and in ``workload.jsonl``, so a replay reproduces them. Pure Python: workloads,
@@ -17,6 +18,7 @@ SOURCE_API = "api"
 SOURCES = (SOURCE_WORKLOAD, SOURCE_API)
 MAX_LOGPROBS = 20          # top-k alternatives per token (OpenAI's bound for chat top_logprobs)
 MAX_STOP_STRINGS = 16
+MAX_CHOICES = 16           # n: sibling requests of one API request
 CLIENT_DISCONNECTED = "client disconnected"   # the cancel reason of an API client that went away
 
 
@@ -27,6 +29,9 @@ class RequestFeatures:
     require_tool_call: bool = False      # tool_choice required / named: token 0 is the tool-call start
     stop_strings: tuple[str, ...] = ()   # the output ends (reason "stop") once one appears in its text
     logprobs: int | None = None          # None: none; k >= 0: the chosen token's logprob + top k
+    prompt_logprobs: int | None = None   # None: none; k >= 0: each prompt token's logprob + top k (echo)
+    n: int = 1                           # the API request's choices: this request is one of n siblings
+    choice: int = 0                      # which one (0 .. n - 1); siblings share the prompt
 
     def validate(self) -> "RequestFeatures":
         """Raise ValueError naming the first bad field; return self when all are fine."""
@@ -39,14 +44,25 @@ class RequestFeatures:
             raise ValueError(f"features.stop_strings: at most {MAX_STOP_STRINGS}, got {len(self.stop_strings)}")
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
             raise ValueError(f"features.stop_strings must be non-empty strings, got {list(self.stop_strings)!r}")
-        k = self.logprobs
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
-            raise ValueError(f"features.logprobs must be an int in [0, {MAX_LOGPROBS}] or None, got {k!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
+                raise ValueError(f"features.{name} must be an int in [0, {MAX_LOGPROBS}] or None, got {k!r}")
+        n, choice = self.n, self.choice
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+            raise ValueError(f"features.n must be an int in [1, {MAX_CHOICES}], got {n!r}")
+        if isinstance(choice, bool) or not isinstance(choice, int) or not 0 <= choice < n:
+            raise ValueError(f"features.choice must be an int in [0, n={n}), got {choice!r}")
         return self
 
     def to_dict(self) -> dict[str, Any]:
+        """As stored; prompt logprobs and the choice fields only when set (rows of requests without
+        them read as before those fields existed)."""
         d = asdict(self)
         d["stop_strings"] = list(self.stop_strings)
+        for name, off in (("prompt_logprobs", None), ("n", 1), ("choice", 0)):
+            if d[name] == off:
+                del d[name]
         return d
 
     @classmethod

@@ -79,7 +79,8 @@ def _first_token(ctx: TickContext, queues: Queues, pools: CachePools, req: Reque
         min_p = effective_min_p(req.params, levers.speculation, levers.no_mtp_minp)
         params = params_for_row(req.params, req.region, levers.adaptive_sampling)
         allowed = grammar_step.first_token_allowed(ctx, req) if policy.grammar_applies else None
-        token = sample_first_token(logits, params, req.generator, policy, traits.eos_ids, min_p, allowed)
+        token = sample_first_token(logits, params, req.generator, policy, traits.eos_ids, min_p, allowed,
+                                   prompt_tokens=req.prompt_tokens)
         logprobs.record(req, logits, token)
     except Exception as exc:
         row.outcome = ev.OUTCOME_FAILED_FIRST_TOKEN
@@ -99,7 +100,8 @@ def decode_rows(ctx: TickContext, pools: CachePools, batch: list[Request], logit
     params = [params_for_row(a.params, a.region, levers.adaptive_sampling) for a in batch]
     tokens = sample_next(
         logits, params, [a.generator for a in batch], [a.num_generated for a in batch], ctx.traits.eos_ids,
-        min_p_override=[effective_min_p(a.params, levers.speculation, levers.no_mtp_minp) for a in batch])
+        min_p_override=[effective_min_p(a.params, levers.speculation, levers.no_mtp_minp) for a in batch],
+        output_tokens=[a.output_tokens for a in batch], prompt_tokens=[a.prompt_tokens for a in batch])
     for row, (request, token) in enumerate(zip(batch, tokens.tolist())):
         logprobs.record(request, logits[row], token)
         outputs.append_token(ctx, pools, request, token)

@@ -1,9 +1,10 @@
 """Next-token sampling: per-request parameters and one batched draw.
 
 Order of operations for every row (the reference's, and the usual one):
-suppress EOS / stop tokens while ``min_tokens`` is not reached, then greedy
-rows take the argmax; sampled rows go through temperature, top-k, top-p and
-min-p filtering and draw from their own ``torch.Generator``.
+suppress EOS / stop tokens while ``min_tokens`` is not reached, add the logit
+bias and the repetition penalties (``logit_adjust.py``), then greedy rows take
+the argmax; sampled rows go through temperature, top-k, top-p and min-p
+filtering and draw from their own ``torch.Generator``.
 
 Why one generator per row: a request with a seed must replay exactly, no
 matter which other requests share its batch or at which row it sits. Each
@@ -12,14 +13,19 @@ so neither batch size nor row order can change a seeded request's tokens.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Sequence
 
 import torch
 
+from engine.scheduler import logit_adjust
 from engine.scheduler.json_fields import strict_kwargs
 from engine.spec.kinds import SPEC_MTP, is_speculative
+
+
+_ADJUSTMENTS_OFF = {"logit_bias": [], "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 
 
 @dataclass(frozen=True)
@@ -34,10 +40,19 @@ class SamplingParams:
     max_tokens: int = 16
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias) pairs, by id
+    presence_penalty: float = 0.0       # over the generated tokens (OpenAI's)
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0     # over prompt and generated tokens (vLLM's); 1 = off
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @functools.cached_property
+    def adjusts_logits(self) -> bool:
+        """A logit bias or a penalty to apply (worked out once: the tick asks for every row)."""
+        return logit_adjust.needs_adjusting(self)
 
     def validate(self, vocab_size: int) -> "SamplingParams":
         """Raise ValueError naming the first bad field; return self when all are fine."""
@@ -62,17 +77,28 @@ class SamplingParams:
         if bad:
             raise ValueError(
                 f"sampling.stop_token_ids must lie in [0, {vocab_size}), got out-of-range {bad}")
+        logit_adjust.check(self, vocab_size)
         return self
 
     def to_dict(self) -> dict[str, Any]:
+        """As stored (the request row, workload.jsonl); the bias and penalties only when set, so the
+        rows of requests without them read as they did before those fields existed."""
         d = asdict(self)
         d["stop_token_ids"] = list(self.stop_token_ids)
+        d["logit_bias"] = [list(pair) for pair in self.logit_bias]
+        for name, off in _ADJUSTMENTS_OFF.items():
+            if d[name] == off:
+                del d[name]
         return d
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "SamplingParams":
         """Build from a JSON-like dict; unknown keys are an error (typos must not pass silently)."""
         kwargs = strict_kwargs(cls, data, "sampling", "stop_token_ids", "ints")
+        bias = kwargs.get("logit_bias", ())
+        if not isinstance(bias, (list, tuple)):
+            raise ValueError(f"sampling.logit_bias must be a list of [token_id, bias] pairs, got {bias!r}")
+        kwargs["logit_bias"] = tuple(tuple(pair) if isinstance(pair, (list, tuple)) else pair for pair in bias)
         return cls(**kwargs)
 
 
@@ -210,8 +236,11 @@ def sample_next(
     num_generated: Sequence[int],
     eos_token_ids: set[int],
     min_p_override: Sequence[float | None] | None = None,
+    output_tokens: Sequence[Sequence[int]] | None = None,
+    prompt_tokens: Sequence[Sequence[int]] | None = None,
 ) -> torch.Tensor:                             # [B] long
-    """Pick each row's next token. ``min_p_override[i]`` (when not None) replaces row i's min-p."""
+    """Pick each row's next token. ``min_p_override[i]`` (when not None) replaces row i's min-p;
+    ``output_tokens`` / ``prompt_tokens`` (per row) are what the penalties count."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
     num_rows, vocab = logits.shape
@@ -225,7 +254,8 @@ def sample_next(
         (set(eos_token_ids) | set(p.stop_token_ids)) if n < p.min_tokens else ()
         for p, n in zip(params, num_generated)
     ]
-    logits = suppress_tokens(logits, banned)                                # [B, V]
+    logits = suppress_tokens(logits, banned)                                # [B, V], a copy
+    logit_adjust.adjust(logits, params, output_tokens, prompt_tokens)
     next_tokens = torch.argmax(logits, dim=1)                               # [B] greedy answer
     sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if not sampled_rows:

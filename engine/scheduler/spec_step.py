@@ -166,7 +166,8 @@ def accept(ctx: TickContext, req: Request, logits: torch.Tensor, drafts: list[in
             # Row i's mask is the grammar after the tokens emitted so far in this step.
             row_logits = grammar_step.constrain(ctx, [req], row_logits)
         token = int(sample_next(row_logits, [params], [req.generator],
-                                [req.num_generated + row], ctx.traits.eos_ids, min_p_override=[min_p])[0])
+                                [req.num_generated + row], ctx.traits.eos_ids, min_p_override=[min_p],
+                                output_tokens=[req.output_tokens + emitted], prompt_tokens=[req.prompt_tokens])[0])
         emitted.append(token)
         if row == len(drafts) or token != drafts[row]:
             break

@@ -48,7 +48,8 @@ def test_requests_page_marks_grammar_requests_and_validation(app, grammar_run):
 
     table = at.dataframe[0].value
     expected = dict(sql(grammar_run, "SELECT request_id, grammar_kind || CASE grammar_valid WHEN 1 THEN ' ✓' "
-                                     "WHEN 0 THEN ' ✗' ELSE ' …' END FROM requests"))
+                                     "WHEN 0 THEN ' ✗' ELSE ' …' END || CASE WHEN grammar_valid = 0 AND "
+                                     "finish_reason = 'length' THEN ' ✂' ELSE '' END FROM requests"))
     for request_id, mark in zip(table["request_id"], table["grammar"]):
         assert (mark or None) == expected[int(request_id)]
     assert any(table["grammar"].str.endswith("✓"))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.model.tiny import perturb_parameters
-from tests.engine.kernel_marks import one_torch_thread  # noqa: F401  (the kernel tests use it)
+from tests.engine.kernel_marks import kernel_variant, one_torch_thread  # noqa: F401  (the kernel tests use them)
 
 transformers = pytest.importorskip("transformers")
 

@@ -24,3 +24,15 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(params=list(native.VARIANTS))
+def kernel_variant(request, monkeypatch) -> str:
+    """Each build of the kernels in turn (native.VARIANTS): avx2, avx512 and the avx512 code through
+    SIMDe, forced through ``native.ISA``; skipped, with the reason, where this machine cannot run it
+    (a CPU without AVX-512F skips only the native avx512 build: the SIMDe one runs the same source)."""
+    reason = native.why_unavailable(native._cpu_flags(), native.compiler(), request.param)
+    if reason is not None:
+        pytest.skip(f"kernel variant {request.param} cannot run here: {reason}")
+    monkeypatch.setattr(native, "ISA", request.param)
+    return request.param

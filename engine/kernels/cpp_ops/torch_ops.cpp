@@ -6,7 +6,7 @@
 // step makes 21 such calls (17 GEMMs, 3 GDN steps, 1 attention), as much as its arithmetic. Here
 // the same checks are a few C++ comparisons. The kernels are the existing sources, compiled into
 // this library beside this file and called through their extern "C" functions (declared below:
-// keep them in step with the sources; tests/engine/test_torch_ops.py compares every op with the
+// keep them in step with the sources; tests/engine/kernels/test_torch_ops.py compares every op with the
 // ctypes path). Schemas as engine/kernels/custom_ops.py's Python ops, plus skinny_linear and swiglu_linear.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -21,12 +21,16 @@ void packed_gemm_f32(const float* x, int64_t ldx, const float* packed, const flo
                      int64_t m_rows, int64_t n_cols, int64_t k);
 void swiglu_gemm_f32(const float* x, int64_t ldx, const float* packed, float* y, int64_t ldy, int64_t m_rows,
                      int64_t inter, int64_t k);
+void packed_gemm_bf16(const uint16_t* x, int64_t ldx, const uint16_t* packed, const uint16_t* bias, uint16_t* y,
+                      int64_t ldy, int64_t m_rows, int64_t n_cols, int64_t k);
+void swiglu_gemm_bf16(const uint16_t* x, int64_t ldx, const uint16_t* packed, uint16_t* y, int64_t ldy,
+                      int64_t m_rows, int64_t inter, int64_t k);
 void gdn_decode_gated_f32(const float* mixed, int64_t ld_mixed, float* conv_states, const float* conv_weight,
                           int64_t kernel, float* rec_states, const int64_t* slots, const float* a, const float* b,
                           int64_t ld_ab, const float* neg_rate, const float* dt_bias, const float* z, int64_t ld_z,
                           const float* norm_weight, float eps, int64_t batch, int64_t num_k_heads,
                           int64_t num_v_heads, int64_t dk, int64_t dv, float* out);
-struct NewKV {  // paged_attention.cpp's NewKV, field for field
+struct NewKV {  // paged_attention.cpp's NewKV, field for field (over a bf16 store the K/V point at bf16: its NewKVOf<uint16_t>)
     const float *keys, *values;
     int64_t ldk_row, ldk_head, ldv_row, ldv_head;
     const int64_t* slots;
@@ -36,6 +40,11 @@ int paged_decode_attention_f32(const float* q, int64_t ldq_row, int64_t ldq_head
                                int64_t table_width, const int64_t* context_lens, const float* gate, int64_t ldg_row,
                                int64_t ldg_head, const NewKV* new_kv, int64_t batch, int64_t num_heads,
                                int64_t num_kv_heads, int64_t head_dim, float scale, float* out);
+int paged_decode_attention_bf16(const float* q, int64_t ldq_row, int64_t ldq_head, uint16_t* keys, uint16_t* values,
+                                int64_t num_blocks, int64_t block_size, const int64_t* block_tables, int64_t ld_table,
+                                int64_t table_width, const int64_t* context_lens, const float* gate, int64_t ldg_row,
+                                int64_t ldg_head, const NewKV* new_kv, int64_t batch, int64_t num_heads,
+                                int64_t num_kv_heads, int64_t head_dim, float scale, float* out);
 }
 
 namespace {
@@ -44,44 +53,64 @@ constexpr int64_t kPanelCols = 16;  // skinny_gemm.cpp's NR
 using Tensors = std::initializer_list<const at::Tensor*>;
 
 bool is_f32_cpu(const at::Tensor& t) { return t.scalar_type() == at::kFloat && t.device().is_cpu(); }
+// The GEMMs' dtypes (skinny_gemm.py's KINDS): float32, or bf16 with a k pair per column per packed line.
+bool is_gemm_cpu(const at::Tensor& t) {
+    return (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16) && t.device().is_cpu();
+}
+int64_t per_col(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 ? 2 : 1; }
+const uint16_t* bf16_bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
 
 // t itself where its last dim has unit stride (what the kernels index), else a contiguous copy.
 at::Tensor unit_inner(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
 
-// x [M, K] @ W^T (+ bias [N]) -> [M, N] from packed = skinny_gemm.pack(W) [ceil(N / 16), K, 16].
+// Whether packed [ceil(cols / per_panel), lines, 16 * per_col] fits x [M, K] of its dtype.
+bool packed_fits(const at::Tensor& packed, const at::Tensor& x, int64_t cols, int64_t per_panel) {
+    const int64_t pc = per_col(x);
+    return packed.scalar_type() == x.scalar_type() && packed.dim() == 3 &&
+           packed.size(0) == (cols + per_panel - 1) / per_panel && packed.size(1) == (x.size(1) + pc - 1) / pc &&
+           packed.size(2) == kPanelCols * pc && packed.is_contiguous();
+}
+
+// x [M, K] @ W^T (+ bias [N]) -> [M, N] from packed = skinny_gemm.pack(W): float32 [ceil(N / 16), K, 16]
+// or bf16 [ceil(N / 16), ceil(K / 2), 32], x and bias of the same dtype.
 at::Tensor skinny_linear(const at::Tensor& x_in, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
                          int64_t out_cols) {
-    TORCH_CHECK(x_in.dim() == 2 && is_f32_cpu(x_in) && is_f32_cpu(packed), "skinny_linear: x must be float32 CPU [M, K]");
+    TORCH_CHECK(x_in.dim() == 2 && is_gemm_cpu(x_in), "skinny_linear: x must be float32 or bf16 CPU [M, K]");
     const at::Tensor x = unit_inner(x_in);
     const int64_t rows = x.size(0), inner = x.size(1);
-    TORCH_CHECK(packed.dim() == 3 && packed.size(0) == (out_cols + kPanelCols - 1) / kPanelCols &&
-                    packed.size(1) == inner && packed.size(2) == kPanelCols && packed.is_contiguous(),
-                "skinny_linear: packed ", packed.sizes(), " does not fit x ", x.sizes(), " and ", out_cols, " columns");
-    const float* bias_ptr = nullptr;
+    TORCH_CHECK(packed_fits(packed, x, out_cols, kPanelCols), "skinny_linear: packed ", packed.sizes(),
+                " does not fit x ", x.sizes(), " and ", out_cols, " columns");
     at::Tensor bias_c;
     if (bias.has_value()) {
-        TORCH_CHECK(is_f32_cpu(*bias) && bias->dim() == 1 && bias->size(0) == out_cols, "skinny_linear: bad bias");
+        TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->dim() == 1 && bias->size(0) == out_cols,
+                    "skinny_linear: bad bias");
         bias_c = bias->contiguous();
-        bias_ptr = bias_c.data_ptr<float>();
     }
     at::Tensor y = at::empty({rows, out_cols}, x.options());
-    if (rows > 0)
-        packed_gemm_f32(x.data_ptr<float>(), x.stride(0), packed.data_ptr<float>(), bias_ptr, y.data_ptr<float>(),
-                        out_cols, rows, out_cols, inner);
+    if (rows == 0) return y;
+    if (x.scalar_type() == at::kBFloat16)
+        packed_gemm_bf16(bf16_bits(x), x.stride(0), bf16_bits(packed), bias_c.defined() ? bf16_bits(bias_c) : nullptr,
+                         reinterpret_cast<uint16_t*>(y.data_ptr()), out_cols, rows, out_cols, inner);
+    else
+        packed_gemm_f32(x.data_ptr<float>(), x.stride(0), packed.data_ptr<float>(),
+                        bias_c.defined() ? bias_c.data_ptr<float>() : nullptr, y.data_ptr<float>(), out_cols, rows,
+                        out_cols, inner);
     return y;
 }
 
-// SiLU(x @ G^T) * (x @ U^T) -> [M, I] from packed = swiglu_gemm.pack(gate_up, I) [ceil(I / 8), K, 16].
+// SiLU(x @ G^T) * (x @ U^T) -> [M, I] from packed = swiglu_gemm.pack(gate_up, I) ([ceil(I / 8), ...], as skinny_linear).
 at::Tensor swiglu_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t intermediate) {
-    TORCH_CHECK(x_in.dim() == 2 && is_f32_cpu(x_in) && is_f32_cpu(packed), "swiglu_linear: x must be float32 CPU [M, K]");
+    TORCH_CHECK(x_in.dim() == 2 && is_gemm_cpu(x_in), "swiglu_linear: x must be float32 or bf16 CPU [M, K]");
     const at::Tensor x = unit_inner(x_in);
-    const int64_t rows = x.size(0), inner = x.size(1), pair = kPanelCols / 2;
-    TORCH_CHECK(packed.dim() == 3 && packed.size(0) == (intermediate + pair - 1) / pair && packed.size(1) == inner &&
-                    packed.size(2) == kPanelCols && packed.is_contiguous(),
-                "swiglu_linear: packed ", packed.sizes(), " does not fit x ", x.sizes(), " and ", intermediate,
-                " columns");
+    const int64_t rows = x.size(0), inner = x.size(1);
+    TORCH_CHECK(packed_fits(packed, x, intermediate, kPanelCols / 2), "swiglu_linear: packed ", packed.sizes(),
+                " does not fit x ", x.sizes(), " and ", intermediate, " columns");
     at::Tensor y = at::empty({rows, intermediate}, x.options());
-    if (rows > 0)
+    if (rows == 0) return y;
+    if (x.scalar_type() == at::kBFloat16)
+        swiglu_gemm_bf16(bf16_bits(x), x.stride(0), bf16_bits(packed), reinterpret_cast<uint16_t*>(y.data_ptr()),
+                         intermediate, rows, intermediate, inner);
+    else
         swiglu_gemm_f32(x.data_ptr<float>(), x.stride(0), packed.data_ptr<float>(), y.data_ptr<float>(), intermediate,
                         rows, intermediate, inner);
     return y;
@@ -147,12 +176,15 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& new_
                                   const at::Tensor& new_values_in, at::Tensor& keys, at::Tensor& values,
                                   const at::Tensor& kv_slots_in, const at::Tensor& block_tables_in,
                                   const at::Tensor& context_lens_in, const at::Tensor& gate_in) {
+    // A float32 store, or a bf16 one (q and gate widened here, the output rounded back to bf16).
+    const at::ScalarType dtype = keys.scalar_type();
     for (const at::Tensor* t : Tensors{&q_in, &new_keys_in, &new_values_in, &keys, &values, &gate_in})
-        TORCH_CHECK(is_f32_cpu(*t), "paged_decode_attention: float32 CPU tensors only");
+        TORCH_CHECK(is_gemm_cpu(*t) && t->scalar_type() == dtype,
+                    "paged_decode_attention: float32 or bf16 CPU tensors, all of one dtype");
     TORCH_CHECK(q_in.dim() == 3 && keys.dim() == 4 && keys.sizes() == values.sizes() && keys.is_contiguous() &&
                     values.is_contiguous() && gate_in.sizes() == q_in.sizes(),
                 "paged_decode_attention: q, gate [B, H, D] and a contiguous store [N, block, Hkv, D]");
-    const at::Tensor q = unit_inner(q_in), gate = unit_inner(gate_in);
+    const at::Tensor q = unit_inner(q_in.to(at::kFloat)), gate = unit_inner(gate_in.to(at::kFloat));
     const at::Tensor new_keys = unit_inner(new_keys_in), new_values = unit_inner(new_values_in);
     const at::Tensor kv_slots = kv_slots_in.contiguous(), context_lens = context_lens_in.contiguous();
     const at::Tensor block_tables = unit_inner(block_tables_in);
@@ -168,17 +200,29 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& new_
                     context_lens.numel() == batch && kv_slots.numel() == batch,
                 "paged_decode_attention: block tables [B, W], context lens [B] and slots [B], long");
     at::Tensor out = at::empty({batch, heads * head_dim}, q.options());
-    const NewKV write{new_keys.data_ptr<float>(), new_values.data_ptr<float>(), new_keys.stride(0), new_keys.stride(1),
-                      new_values.stride(0), new_values.stride(1), kv_slots.data_ptr<int64_t>()};
-    const int status = paged_decode_attention_f32(
-        q.data_ptr<float>(), q.stride(0), q.stride(1), keys.data_ptr<float>(), values.data_ptr<float>(), num_blocks,
-        block_size, block_tables.data_ptr<int64_t>(), block_tables.stride(0), block_tables.size(1),
-        context_lens.data_ptr<int64_t>(), gate.data_ptr<float>(), gate.stride(0), gate.stride(1), &write, batch,
-        heads, kv_heads, head_dim, static_cast<float>(std::pow(static_cast<double>(head_dim), -0.5)),
-        out.data_ptr<float>());
+    // The new K/V pointers in the store's element type (the struct's fields are pointers either way).
+    const NewKV write{static_cast<const float*>(new_keys.data_ptr()), static_cast<const float*>(new_values.data_ptr()),
+                      new_keys.stride(0), new_keys.stride(1), new_values.stride(0), new_values.stride(1),
+                      kv_slots.data_ptr<int64_t>()};
+    const float scale = static_cast<float>(std::pow(static_cast<double>(head_dim), -0.5));
+    const int status =
+        dtype == at::kBFloat16
+            ? paged_decode_attention_bf16(q.data_ptr<float>(), q.stride(0), q.stride(1),
+                                          reinterpret_cast<uint16_t*>(keys.data_ptr()),
+                                          reinterpret_cast<uint16_t*>(values.data_ptr()), num_blocks, block_size,
+                                          block_tables.data_ptr<int64_t>(), block_tables.stride(0), block_tables.size(1),
+                                          context_lens.data_ptr<int64_t>(), gate.data_ptr<float>(), gate.stride(0),
+                                          gate.stride(1), &write, batch, heads, kv_heads, head_dim, scale,
+                                          out.data_ptr<float>())
+            : paged_decode_attention_f32(q.data_ptr<float>(), q.stride(0), q.stride(1), keys.data_ptr<float>(),
+                                         values.data_ptr<float>(), num_blocks, block_size,
+                                         block_tables.data_ptr<int64_t>(), block_tables.stride(0), block_tables.size(1),
+                                         context_lens.data_ptr<int64_t>(), gate.data_ptr<float>(), gate.stride(0),
+                                         gate.stride(1), &write, batch, heads, kv_heads, head_dim, scale,
+                                         out.data_ptr<float>());
     TORCH_CHECK(status == 0, "paged decode attention: a context length outside 1 .. ", block_tables.size(1) * block_size,
                 ", a block id outside 0 .. ", num_blocks - 1, " or a new K/V slot outside the store");
-    return out;
+    return dtype == at::kFloat ? out : out.to(dtype);
 }
 
 }  // namespace

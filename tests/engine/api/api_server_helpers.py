@@ -16,8 +16,13 @@ MAX_WAITING = 3
 SSM_SLOTS = 2
 
 
-def wait_until_healthy(url: str, proc) -> None:
-    """Until the server's /health answers 200 (``wait_for`` fails naming it, with the process's stderr)."""
+def started_server(run_dir: Path, *args: str, env_extra: dict[str, str] | None = None) -> Server:
+    """``serve --workload none --api-port P *args`` on a free port, once its /health answers (a
+    ``--workload`` in ``args`` wins: argparse keeps the last); ``env_extra``: lever variables."""
+    port = free_port()
+    proc = start_serve(run_dir, "--workload", "none", "--api-port", str(port), *args, env_extra=env_extra)
+    url = f"http://127.0.0.1:{port}"
+
     def healthy():
         try:
             return httpx.get(f"{url}/health", timeout=1).status_code == 200
@@ -25,6 +30,7 @@ def wait_until_healthy(url: str, proc) -> None:
             return False
 
     wait_for(healthy, "the API's /health", proc)
+    return Server(url, run_dir, proc)
 
 
 def free_port() -> int:

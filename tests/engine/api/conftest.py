@@ -7,17 +7,13 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from api_server_helpers import MAX_WAITING, SSM_SLOTS, Server, free_port, wait_until_healthy  # noqa: E402
-from serve_process import start_serve, stop  # noqa: E402
+from api_server_helpers import MAX_WAITING, SSM_SLOTS, started_server  # noqa: E402
+from serve_process import stop  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def api_server(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("api-run")
-    port = free_port()
-    proc = start_serve(run_dir, "--workload", "none", "--api-port", str(port), "--ssm-slots", str(SSM_SLOTS),
-                       "--kv-blocks", "64", "--max-waiting", str(MAX_WAITING))
-    url = f"http://127.0.0.1:{port}"
-    wait_until_healthy(url, proc)
-    yield Server(url, run_dir, proc)
-    stop(proc)
+    server = started_server(tmp_path_factory.mktemp("api-run"), "--ssm-slots", str(SSM_SLOTS), "--kv-blocks", "64",
+                            "--max-waiting", str(MAX_WAITING))
+    yield server
+    stop(server.proc)

@@ -5,22 +5,17 @@ from __future__ import annotations
 import openai
 import pytest
 
-from api_server_helpers import Server, free_port, wait_until_healthy
-from serve_process import start_serve, stop
+from api_server_helpers import started_server
+from serve_process import stop
 from telemetry import events as ev
 
 
 @pytest.fixture(scope="module")
 def kimi_server(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("api-kimi")
-    port = free_port()
-    proc = start_serve(run_dir, "--model", "tiny-kimi", "--workload", "none", "--api-port", str(port),
-                       "--kv-blocks", "64", env_extra={"CHUNKSCOPE_MAX_TICK_TOKENS": "400",
-                                                       "CHUNKSCOPE_MAX_PREFILL_TOKENS": "32"})
-    url = f"http://127.0.0.1:{port}"
-    wait_until_healthy(url, proc)
-    yield Server(url, run_dir, proc)
-    stop(proc)
+    server = started_server(tmp_path_factory.mktemp("api-kimi"), "--model", "tiny-kimi", "--kv-blocks", "64",
+                            env_extra={"CHUNKSCOPE_MAX_TICK_TOKENS": "400", "CHUNKSCOPE_MAX_PREFILL_TOKENS": "32"})
+    yield server
+    stop(server.proc)
 
 
 def test_model_name_and_whole_prompt_chunk(kimi_server):

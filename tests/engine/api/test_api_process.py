@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import openai
 
-from api_server_helpers import free_port
+from api_server_helpers import started_server
 from serve_process import query, start_serve, stop, wait_for
 
 LONG_STREAM = {"model": "tiny", "prompt": "A long story:", "max_tokens": 900, "min_tokens": 900,
@@ -48,18 +48,9 @@ def is_alive(pid: int) -> bool:
 
 
 def start_api(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = start_serve(tmp_path, "--api-port", str(port), "--ssm-slots", "4", "--kv-blocks", "256", *extra)
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy():
-        try:
-            return httpx.get(f"{url}/health", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_for(healthy, "the API's /health", proc)
-    return proc, url
+    """A served API (``extra`` may name another workload: the last --workload wins)."""
+    server = started_server(tmp_path, "--ssm-slots", "4", "--kv-blocks", "256", *extra)
+    return server.proc, server.url
 
 
 def test_frontend_process_has_no_torch_and_a_killed_one_is_replaced(tmp_path):

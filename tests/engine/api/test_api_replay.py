@@ -9,7 +9,7 @@ import zipfile
 import httpx
 import openai
 
-from api_server_helpers import free_port
+from api_server_helpers import free_port, started_server
 from engine.replay.rerun import load_input, replay_run
 from engine.replay.compare import compare
 from serve_process import kill_quietly, start_serve, stop, wait_for
@@ -79,3 +79,33 @@ def _up(client) -> bool:
         return bool(client.models.list().data)
     except openai.APIError:
         return False
+
+
+def test_issue_31_features_replay_identically(tmp_path):
+    """n siblings (tail snapshot, prefix hits), logit_bias and penalties, echo's prompt logprobs and a
+    lenient schema travel with their requests: the bundle replays decision and token identical."""
+    server = started_server(tmp_path, "--ssm-slots", "4", "--kv-blocks", "64")
+    proc, url = server.proc, f"{server.url}/v1"
+    prompt = list(b"Replay the siblings of this prompt, please.")   # 42 tokens: tail boundary 32
+    schema = {"type": "array", "items": {"type": "integer", "maximum": 9}, "uniqueItems": True, "maxItems": 3}
+    bodies = [("completions", {"prompt": prompt, "n": 3, "max_tokens": 6, "temperature": 0.9, "seed": 4,
+                               "presence_penalty": 1.5, "logit_bias": {"90": 5}}),
+              ("completions", {"prompt": "echo me", "echo": True, "logprobs": 2, "max_tokens": 3,
+                               "frequency_penalty": 2.0, "temperature": 0}),
+              ("chat/completions", {"messages": [{"role": "user", "content": "nums"}], "max_tokens": 12,
+                                    "temperature": 0, "structured_outputs": {"json": schema}})]
+    try:
+        for path, body in bodies:
+            response = httpx.post(f"{url}/{path}", json={"model": "tiny", **body}, timeout=60)
+            assert response.status_code == 200, response.text
+        status, stderr = stop(proc)
+    finally:
+        kill_quietly(proc)
+    assert status == 0, stderr
+    bundle = export_bundle(tmp_path / "telemetry.db", tmp_path / "bundle.zip").path
+    recorded, _ = load_input(str(bundle))
+    assert [r.prefix_hit_tokens for r in recorded.requests[:3]] == [0, 32, 32]
+    report = compare(recorded, replay_run(recorded, model="tiny"))
+    assert report["first_divergence"] is None, report["first_divergence"]
+    assert report["decisions_identical"] and report["tokens_identical"]
+

@@ -6,7 +6,8 @@ from hypothesis import given, settings, strategies as st
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.api.metrics import _ITL_BUCKETS, EngineMetrics
+from engine.api.metric_families import TOKEN_LATENCY_BUCKETS
+from engine.api.metrics import EngineMetrics
 from telemetry import events as ev
 
 
@@ -21,10 +22,10 @@ def samples(text: bytes, prefix: str) -> dict:
 def test_token_metrics_match_prometheus_client(steps):
     metrics = EngineMetrics("tiny")
     registry = CollectorRegistry()
-    tokens = Counter("vllm:generation_tokens", "Generated tokens", ["model_name"],
-                     registry=registry).labels(model_name="tiny")
-    itl = Histogram("vllm:inter_token_latency_seconds", "Time between two tokens", ["model_name"],
-                    buckets=_ITL_BUCKETS, registry=registry).labels(model_name="tiny")
+    labels = {"model_name": "tiny", "engine": "0"}
+    tokens = Counter("vllm:generation_tokens", "Generated tokens", list(labels), registry=registry).labels(**labels)
+    itl = Histogram("vllm:inter_token_latency_seconds", "Time between two tokens", list(labels),
+                    buckets=TOKEN_LATENCY_BUCKETS, registry=registry).labels(**labels)
     clock, index, last = 0, {}, {}
     for request_id, gap_ns in steps:
         clock += gap_ns

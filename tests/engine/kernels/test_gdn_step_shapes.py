@@ -25,6 +25,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
     (1, 3, 8, 32, 5),
     (2, 4, 32, 32, 1),   # no conv state at all
 ])
+@pytest.mark.usefixtures("kernel_variant")
 @pytest.mark.parametrize("slots", [[5, 0, 3, 7, 1, 2, 6, 4], [2]])
 def test_gdn_gated_kernel_equals_torch_path_over_shapes(key_heads, value_heads, key_dim, value_dim, conv_kernel,
                                                         slots):

@@ -19,6 +19,7 @@ needs_kernels = needs_kernels_of(skinny_gemm, gdn_step, rms_norm)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
+@pytest.mark.usefixtures("kernel_variant")
 @needs_kernels
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 8, 13, 16, 21, 32])
 @pytest.mark.parametrize("out_cols, inner", [(3072, 576), (7, 13), (250, 1536), (33, 1)])
@@ -52,7 +53,7 @@ def test_skinny_gemm_declines_what_it_does_not_cover():
     assert skinny_gemm.linear(torch.randn(skinny_gemm.MAX_ROWS + 1, 16), packed, 32) is None
     assert skinny_gemm.linear(torch.randn(4, 16, dtype=torch.bfloat16), packed, 32) is None
     assert skinny_gemm.linear(torch.randn(16, 4).t(), packed, 32) is None  # inner stride != 1
-    assert skinny_gemm.pack(weight.bfloat16()) is None and skinny_gemm.pack(weight.t()) is None
+    assert skinny_gemm.pack(weight.double()) is None and skinny_gemm.pack(weight.t()) is None
     torch.set_num_threads(2)
     assert skinny_gemm.linear(torch.randn(4, 16), packed, 32) is None  # the libraries split across threads
     torch.set_num_threads(1)
@@ -79,6 +80,7 @@ def test_fused_linear_routes_decode_rows_to_the_kernel(monkeypatch):
     assert not layers.FusedLinear(torch.randn(96, 40).double()).skinny
 
 
+@pytest.mark.usefixtures("kernel_variant")
 @needs_kernels
 @pytest.mark.parametrize("shape", [(1, 576), (8, 576), (3, 7), (32, 9, 64), (5, 1, 13)])
 def test_rms_norm_kernel_equals_torch_norm(shape):
@@ -90,6 +92,7 @@ def test_rms_norm_kernel_equals_torch_norm(shape):
     assert torch.allclose(got, layers._rms_normalize(x, 1e-6) * scale, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.usefixtures("kernel_variant")
 @needs_kernels
 def test_rms_norm_kernel_reads_strided_heads():
     """q and k arrive as [T, H, D] views into the fused projection's output, rows wider than H * D."""
@@ -120,6 +123,7 @@ def _layer_and_pools(num_slots: int, seed: int):
     return layer, conv, rec
 
 
+@pytest.mark.usefixtures("kernel_variant")
 @needs_kernels
 @pytest.mark.parametrize("slots, slot_range", [([4, 0, 2], None), ([1, 2, 3, 4], (1, 5)), ([3], (3, 4))])
 def test_gdn_kernel_equals_tensor_decode_step(slots, slot_range):
@@ -142,6 +146,7 @@ def test_gdn_kernel_equals_tensor_decode_step(slots, slot_range):
     assert torch.equal(rec_native[untouched], rec[untouched])
 
 
+@pytest.mark.usefixtures("kernel_variant")
 @needs_kernels
 @pytest.mark.parametrize("slots, slot_range", [([4, 0, 2], None), ([1, 2, 3, 4], (1, 5))])
 def test_gdn_gated_kernel_equals_torch_gates_and_norm(slots, slot_range):
@@ -186,6 +191,7 @@ def test_gdn_kernel_declines_other_dtypes():
                            layer.num_k_heads, layer.head_k_dim, layer.head_v_dim) is None
 
 
+@pytest.mark.usefixtures("kernel_variant")
 @needs_kernels
 def test_greedy_decode_with_native_kernels_equals_torch_paths(monkeypatch):
     """fp32, tiny model with every weight large enough for the skinny GEMM: same tokens, close logits."""
@@ -211,16 +217,16 @@ def test_a_failed_build_logs_once_and_falls_back(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("CXX", "/bin/false")
     monkeypatch.setenv("CHUNKSCOPE_CACHE", str(tmp_path))
     monkeypatch.setattr(native, "_cpu_flags", lambda: {"avx2", "fma"})
-    native.load.cache_clear()
+    native.clear_caches()
     try:
         with caplog.at_level(logging.WARNING, logger="chunkscope.kernels"):
             assert native.load("skinny_gemm") is None
             assert native.load("skinny_gemm") is None
         assert [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()] == [
-            "native kernel skinny_gemm unavailable (build failed: /bin/false exited 1): using the torch path"]
+            "native kernel skinny_gemm (avx2) unavailable (build failed: /bin/false exited 1): using the torch path"]
         assert not list(tmp_path.glob("kernels/*.so"))
     finally:
-        native.load.cache_clear()
+        native.clear_caches()
 
 
 @needs_kernels

@@ -28,26 +28,50 @@ def _store(num_blocks, block_size, kv_heads, dim, gen):
             torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen))
 
 
+@pytest.mark.usefixtures("kernel_variant")
 @needs_kernel
 @pytest.mark.parametrize("heads, kv_heads, dim", [(4, 2, 32), (8, 8, 16), (6, 2, 20), (16, 4, 64)])
 @pytest.mark.parametrize("lens", [[1], [16, 17, 3, 40], [64] * 5 + [1, 2]])
-def test_kernel_equals_gather_and_sdpa(heads, kv_heads, dim, lens):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_equals_gather_and_sdpa(heads, kv_heads, dim, lens, dtype):
+    """float32: within float32 rounding of SDPA. bf16 (a bf16 model's store, q and gate): against SDPA in
+    float32 over the same bf16 values, within the one rounding of the output (rtol 2^-8)."""
     gen = torch.Generator().manual_seed(heads * 100 + dim + len(lens))
     block_size, num_blocks = 16, 40
-    keys, values = _store(num_blocks, block_size, kv_heads, dim, gen)
+    keys, values = (t.to(dtype) for t in _store(num_blocks, block_size, kv_heads, dim, gen))
     width = max(2, max(-(-n // block_size) for n in lens)) + 1  # padded wider than any row needs
     # Each row's blocks scattered over the store (gapped, out of order); padding points at block 0.
     perm = torch.randperm(num_blocks, generator=gen)
     tables = torch.stack([perm[(i * 3) % num_blocks:][:width] if len(perm[(i * 3) % num_blocks:]) >= width
                           else perm[:width] for i in range(len(lens))])
     context = torch.tensor(lens)
-    q_gate = torch.randn(len(lens), heads, 2 * dim, generator=gen)
+    q_gate = torch.randn(len(lens), heads, 2 * dim, generator=gen).to(dtype)
     q, gate = q_gate.split(dim, dim=-1)  # strided views, as attention.py hands them over
+    tolerance = dict(rtol=1e-5, atol=2e-6) if dtype == torch.float32 else dict(rtol=2 ** -8, atol=1e-5)
     got = paged_attention.decode(q, keys, values, tables, context, gate)
-    assert got is not None and got.shape == (len(lens), heads * dim)
-    torch.testing.assert_close(got, _reference(q, keys, values, tables, context, gate), rtol=1e-5, atol=2e-6)
+    assert got is not None and got.shape == (len(lens), heads * dim) and got.dtype == dtype
+    wide = (lambda t: t.float())
+    want = _reference(wide(q), wide(keys), wide(values), tables, context, wide(gate))
+    torch.testing.assert_close(got.float(), want, **tolerance)
     ungated = paged_attention.decode(q.contiguous(), keys, values, tables, context)
-    torch.testing.assert_close(ungated, _reference(q, keys, values, tables, context, None), rtol=1e-5, atol=2e-6)
+    want = _reference(wide(q), wide(keys), wide(values), tables, context, None)
+    torch.testing.assert_close(ungated.float(), want, **tolerance)
+
+
+@pytest.mark.usefixtures("kernel_variant")
+@needs_kernel
+def test_kernel_writes_bf16_rows_into_a_bf16_store_as_they_are():
+    gen = torch.Generator().manual_seed(11)
+    keys, values = (t.bfloat16() for t in _store(6, 16, 2, 32, gen))
+    tables, lens, slots = torch.tensor([[3, 1], [0, 5]]), torch.tensor([18, 3]), torch.tensor([1 * 16 + 1, 0 * 16 + 2])
+    new_k, new_v = torch.randn(2, 2, 32, generator=gen).bfloat16(), torch.randn(2, 2, 32, generator=gen).bfloat16()
+    q = torch.randn(2, 4, 32, generator=gen).bfloat16()
+    expected_keys, expected_values = keys.clone(), values.clone()
+    expected_keys.view(-1, 2, 32)[slots], expected_values.view(-1, 2, 32)[slots] = new_k, new_v
+    got = paged_attention.decode(q, keys, values, tables, lens, new_kv=(new_k, new_v, slots))
+    assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
+    want = _reference(q.float(), keys.float(), values.float(), tables, lens, None)
+    torch.testing.assert_close(got.float(), want, rtol=2 ** -8, atol=1e-5)
 
 
 @needs_kernel
@@ -93,13 +117,15 @@ def test_kernel_declines_what_it_does_not_cover(monkeypatch):
     keys, values = torch.randn(4, 16, 2, 32), torch.randn(4, 16, 2, 32)
     tables, lens = torch.tensor([[0, 1]]), torch.tensor([5])
     q = torch.randn(1, 4, 32)
-    assert paged_attention.decode(q.bfloat16(), keys.bfloat16(), values.bfloat16(), tables, lens) is None
+    assert paged_attention.decode(q, keys.bfloat16(), values.bfloat16(), tables, lens) is None  # mixed dtypes
+    assert paged_attention.decode(q.half(), keys.half(), values.half(), tables, lens) is None
     assert paged_attention.decode(q, keys.transpose(1, 2), values.transpose(1, 2), tables, lens) is None
     assert paged_attention.decode(torch.randn(1, 3, 32), keys, values, tables, lens) is None  # 3 heads over 2
     monkeypatch.setattr(native, "ENABLED", False)
     assert paged_attention.decode(q, keys, values, tables, lens) is None
 
 
+@pytest.mark.usefixtures("kernel_variant")
 @needs_kernel
 def test_greedy_decode_with_the_kernel_equals_gather_and_sdpa(monkeypatch):
     """The tiny model over 20 decode steps at batch 3 (contexts crossing blocks): same tokens, close logits."""

@@ -20,37 +20,43 @@ needs_ops = pytest.mark.skipif(
 ops = torch.ops.chunkscope_native
 
 
-def _skinny_inputs(rows: int, inner: int, cols: int, seed: int = 0):
+def _skinny_inputs(rows: int, inner: int, cols: int, seed: int = 0, dtype: torch.dtype = torch.float32):
     gen = torch.Generator().manual_seed(seed)
-    weight = torch.randn(cols, inner, generator=gen) * 0.05
+    weight = (torch.randn(cols, inner, generator=gen) * 0.05).to(dtype)
     # x as the layers see it: a column slice of a wider activation (row stride > inner).
-    x = torch.randn(rows, inner + 8, generator=gen)[:, :inner]
-    return x, weight, torch.randn(cols, generator=gen)
+    x = torch.randn(rows, inner + 8, generator=gen).to(dtype)[:, :inner]
+    return x, weight, torch.randn(cols, generator=gen).to(dtype)
+
+
+# float32 within float32 rounding of the library; bf16 within an ulp of torch's bf16 GEMM (both round once).
+TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2 ** -7, atol=1e-3)}
 
 
 @needs_ops
 @pytest.mark.parametrize("rows, inner, cols", [(1, 128, 392), (8, 128, 768), (32, 384, 128), (32, 128, 272),
                                                (5, 64, 17), (3, 32, 8)])
-def test_skinny_linear_equals_the_ctypes_kernel_and_the_library(rows, inner, cols, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_skinny_linear_equals_the_ctypes_kernel_and_the_library(rows, inner, cols, dtype, monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # the ctypes entry point runs at 1 thread only
-    x, weight, bias = _skinny_inputs(rows, inner, cols)
+    x, weight, bias = _skinny_inputs(rows, inner, cols, dtype=dtype)
     packed = skinny_gemm.pack(weight)
     for b in (None, bias):
         got = ops.skinny_linear(x, packed, b, cols)
-        assert torch.equal(got, skinny_gemm.linear(x, packed, cols, b))  # the same kernel, bit for bit
-        torch.testing.assert_close(got, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+        assert got.dtype == dtype and torch.equal(got, skinny_gemm.linear(x, packed, cols, b))  # bit for bit
+        torch.testing.assert_close(got, F.linear(x, weight, b), **TOLERANCE[dtype])
 
 
 @needs_ops
 @pytest.mark.parametrize("rows, inner, intermediate", [(1, 128, 384), (8, 64, 20), (32, 128, 384)])
-def test_swiglu_linear_equals_the_ctypes_kernel_and_the_torch_path(rows, inner, intermediate, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_linear_equals_the_ctypes_kernel_and_the_torch_path(rows, inner, intermediate, dtype, monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    x, gate_up, _ = _skinny_inputs(rows, inner, 2 * intermediate, seed=1)
+    x, gate_up, _ = _skinny_inputs(rows, inner, 2 * intermediate, seed=1, dtype=dtype)
     packed = swiglu_gemm.pack(gate_up, intermediate)
     got = ops.swiglu_linear(x, packed, intermediate)
     assert torch.equal(got, swiglu_gemm.swiglu(x, packed, intermediate))
-    gate, up = F.linear(x, gate_up).split(intermediate, dim=-1)
-    torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+    gate, up = F.linear(x.float(), gate_up.float()).split(intermediate, dim=-1)  # float32, then one rounding
+    torch.testing.assert_close(got, (F.silu(gate) * up).to(dtype), **TOLERANCE[dtype])
 
 
 @needs_ops
@@ -60,6 +66,9 @@ def test_ops_pass_torch_opcheck():
     checks = ("test_schema", "test_faketensor", "test_aot_dispatch_static")
     torch.library.opcheck(ops.skinny_linear.default, (x, skinny_gemm.pack(weight), bias, 40), test_utils=checks)
     torch.library.opcheck(ops.swiglu_linear.default, (x, swiglu_gemm.pack(weight, 20), 20), test_utils=checks)
+    x16, weight16 = x.bfloat16(), weight.bfloat16()
+    torch.library.opcheck(ops.skinny_linear.default, (x16, skinny_gemm.pack(weight16), bias.bfloat16(), 40),
+                          test_utils=checks)
     torch.library.opcheck(ops.paged_decode_attention.default, _attention_inputs(), test_utils=checks)
     torch.library.opcheck(ops.gdn_decode_gated.default, _gdn_inputs(), test_utils=checks)
 
@@ -97,13 +106,15 @@ def test_bad_inputs_raise_a_clear_error_and_write_nothing():
     assert torch.equal(args[2], rec_before)
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny")[0]
+@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def tiny(request):
+    return load_model("tiny", dtype=request.param)[0]
 
 
 @needs_ops
 def test_a_compiled_step_packs_each_decode_weight_once_and_calls_the_cpp_operators(tiny, monkeypatch):
+    """fp32 and bf16 (bf16 copies for the GEMMs, attention over the bf16 store; a bf16 GDN layer keeps its
+    tensor step)."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # the skinny GEMM is single-threaded
     graphs = []
 
@@ -112,7 +123,9 @@ def test_a_compiled_step_packs_each_decode_weight_once_and_calls_the_cpp_operato
         return gm.forward
 
     torch._dynamo.reset()
-    runner = ModelRunner.build(tiny, num_kv_blocks=16, num_ssm_slots=3, compile=CompileSettings("eager", buckets=(2,)))
+    dtype = next(tiny.parameters()).dtype
+    runner = ModelRunner.build(tiny, num_kv_blocks=16, num_ssm_slots=3, dtype=dtype,
+                               compile=CompileSettings("eager", buckets=(2,)))
     runner.compiled_decode._compiled = torch.compile(runner.compiled_decode._decode, backend=recording_backend,
                                                      dynamic=False)
     def packed_copy(projection):
@@ -120,8 +133,8 @@ def test_a_compiled_step_packs_each_decode_weight_once_and_calls_the_cpp_operato
 
     projections = [p for p in decode_projections(tiny) if getattr(p, "decode_rows", True)]
     packed = {id(p): packed_copy(p) for p in projections}
-    assert projections and all(p is not None for p in packed.values())
-    ModelRunner.build(tiny, num_kv_blocks=16, num_ssm_slots=3, compile=CompileSettings("eager", buckets=(2,)))
+    assert projections and all(p is not None and p.dtype == dtype for p in packed.values())
+    ModelRunner.build(tiny, num_kv_blocks=16, num_ssm_slots=3, dtype=dtype, compile=CompileSettings("eager", buckets=(2,)))
     assert all(packed_copy(p) is packed[id(p)] for p in projections)  # no second copy
     seqs = [SequenceState(i) for i in range(2)]
     for seq in seqs:
@@ -134,7 +147,8 @@ def test_a_compiled_step_packs_each_decode_weight_once_and_calls_the_cpp_operato
     layers = tiny.config.num_hidden_layers
     assert code.count("chunkscope_native.skinny_linear") == 3 * layers + 1
     assert code.count("chunkscope_native.swiglu_linear") == layers
-    assert code.count("chunkscope_native.gdn_decode_gated") == len(tiny.config.linear_attention_layers)
+    gdn_ops = len(tiny.config.linear_attention_layers) if dtype == torch.float32 else 0  # bf16: the tensor step
+    assert code.count("chunkscope_native.gdn_decode_gated") == gdn_ops
     assert code.count("chunkscope_native.paged_decode_attention") == len(tiny.config.full_attention_layers)
     assert "torch.ops.chunkscope." not in code
 

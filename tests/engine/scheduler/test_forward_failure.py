@@ -181,10 +181,10 @@ def test_a_failing_first_token_sample_ends_only_its_request(tiny, monkeypatch):
 
     original = sample.sample_first_token
 
-    def flaky(logits, params, generator, *args):
+    def flaky(logits, params, generator, *args, **kwargs):
         if params.max_tokens == 7:
             raise RuntimeError("sampler exploded")
-        return original(logits, params, generator, *args)
+        return original(logits, params, generator, *args, **kwargs)
 
     monkeypatch.setattr(sample, "sample_first_token", flaky)
     rows: list = []

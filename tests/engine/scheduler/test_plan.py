@@ -14,6 +14,7 @@ from engine.scheduler.context import ModelTraits, TickContext
 from engine.scheduler.mixing import can_mix
 from engine.scheduler.plan import KIND_CHUNK, KIND_DECODE, KIND_IDLE, decode_rows, plan_tick
 from engine.scheduler.queues import Queues
+from engine.scheduler.request_features import RequestFeatures
 from telemetry import events as ev
 from telemetry.levers import defaults
 
@@ -35,9 +36,9 @@ def decoding(request_id: int, slot: int | None, drafts: int = 0):
     return SimpleNamespace(request_id=request_id, seq=SimpleNamespace(ssm_slot=slot), pending_drafts=[1] * drafts)
 
 
-def prefilling(prompt_len: int, offset: int):
+def prefilling(prompt_len: int, offset: int, features: RequestFeatures = RequestFeatures()):
     return SimpleNamespace(request_id=99, prompt_len=prompt_len, chunk_offset=offset,
-                           prompt_tokens=list(range(prompt_len)))
+                           prompt_tokens=list(range(prompt_len)), features=features)
 
 
 def queues_of(active, prefill) -> Queues:
@@ -110,3 +111,14 @@ def test_an_mla_prompt_is_never_split():
     queues = queues_of([], prefilling(700, 0))
     plan = plan_tick(context(defaults(), ev.PATH_IDLE, is_mla=True), queues, SimpleNamespace(prefix=None))
     assert plan.chunk.chunk.length == 700 and plan.chunk.chunk.cap_rule == ev.CAP_WHOLE_PROMPT
+
+
+def test_the_first_of_n_siblings_cuts_at_its_tail_boundary_with_the_lever_off():
+    """Its siblings' prefix hits need the snapshot there (engine/scheduler/siblings.py)."""
+    levers = defaults().replace(ssm_tail_ckpt=False, max_prefill_tokens=512)
+    first, second = (RequestFeatures(n=3, choice=c) for c in (0, 1))
+    for features, prefix_on, boundary in ((first, True, 32), (second, True, None), (first, False, None)):
+        queues = SimpleNamespace(prefilling=prefilling(40, 0, features), active=[])
+        plan = plan_tick(context(levers, ev.PATH_IDLE), queues, SimpleNamespace(prefix=object() if prefix_on else None))
+        assert plan.chunk.chunk.ssm_tail_boundary == boundary
+        assert plan.chunk.chunk.length == (32 if boundary else 40)
