@@ -25,7 +25,7 @@ PATH_IDLE = "idle"
 CAP_REMAINING = "remaining"            # the whole remainder fit under every cap
 CAP_MAX_PREFILL = "max_prefill_tokens"
 CAP_SLICE_BUDGET = "slice_budget"
-CAP_WHOLE_PROMPT = "whole_prompt_mla"  # MLA-style model: never split
+CAP_WHOLE_PROMPT = "mla_whole_prompt"  # MLA model, mla_chunked_prefill off: never split (the reference)
 CAP_SSM_TAIL = "ssm_tail_cut"
 CAP_BLOCK_ALIGN = "block_align"
 CAP_TAIL_SPLIT = "tail_split"
@@ -163,6 +163,7 @@ class ChunkDecision(Event):
     kv_quant_state: str | None = None   # one of KV_QUANT_STATES: what the poll before this chunk left
     ep_broadcast_ns: int | None = None  # under expert parallelism: rank 0's broadcast before the forward
     first_token_rules: str | None = None  # last chunk: the first-token rules that fired, comma-separated
+    slice_budget_ignored: bool = False  # the MLA whole-prompt rule ran past the slice budget in force
 
 
 @dataclass

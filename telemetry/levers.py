@@ -141,6 +141,19 @@ LEVERS: tuple[Lever, ...] = (
           "Runtime cap on usable KV blocks (0 = no cap): shrink the cache live to provoke "
           "preemption. Watch: KV use chart hits the cap line, preemptions appear.",
           bounds=(0, 1 << 24)),
+    Lever("mla_chunked_prefill", bool, False,
+          "MLA models (Kimi Linear): off is the reference's rule, a prompt's chunk is its whole "
+          "remainder (its MLA prefill attends only over the current call's K/V) and the slice "
+          "budget is ignored, so decodes wait behind a whole long prefill; on, a chunk attends over "
+          "the request's cached latents (gathered in bounded sub-chunks, merged by log-sum-exp) and "
+          "MLA prompts chunk and mix like any other. No effect on other models. Watch: chunks with "
+          "cap mla_whole_prompt vs max_prefill_tokens, ITL p99 and TTFT during long prompts."),
+    Lever("max_tick_tokens", int, 4096,
+          "The tick's token budget: the most prompt tokens one forward may compute. It binds under "
+          "the MLA whole-prompt rule (mla_chunked_prefill off), whose chunk ignores max_prefill_tokens: "
+          "a longer prompt can never start and is rejected with the reason instead of stalling the "
+          "queue. Watch: rejected requests naming max_tick_tokens.",
+          bounds=(1, 1 << 20)),
 )
 LEVERS_BY_NAME: dict[str, Lever] = {lever.name: lever for lever in LEVERS}
 
@@ -162,6 +175,8 @@ class LeverValues:
     adaptive_sampling: bool = False
     preempt_policy: str = "most_blocks"
     kv_blocks_cap: int = 0
+    mla_chunked_prefill: bool = False
+    max_tick_tokens: int = 4096
 
     def __post_init__(self) -> None:
         for name, value in self.as_dict().items():

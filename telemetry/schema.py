@@ -223,6 +223,8 @@ ADDED_COLUMNS: dict[str, dict[str, dict[str, type]]] = {
     "0004_kv_quant": {"chunks": {"kv_quant_state": str},
                       "ticks": {"kv_bytes_used": int, "kv_bytes_total": int, "kv_tokens_used": int,
                                 "kv_tokens_total": int}},
+    # MLA: a whole-prompt chunk that ran past the slice budget (the reference's rule, issue 27).
+    "0005_mla_whole_prompt": {"chunks": {"slice_budget_ignored": int}},
 }
 
 

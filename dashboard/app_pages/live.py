@@ -102,7 +102,8 @@ def render_now(ctx: RunContext) -> None:
                f"{mode}; {len(win.stream_events)} stream events{' (capped: newest only)' if cap else ''}, "
                f"{len(win.preemptions)} preemptions, "
                f"{len(win.lever_changes)} lever changes"
-               + kv_gauges.kv_quant_caption(data.kv_quant_status(ctx.db, ctx.run_id, ctx.version)))
+               + kv_gauges.kv_quant_caption(data.kv_quant_status(ctx.db, ctx.run_id, ctx.version))
+               + kv_gauges.kv_kind_caption(ctx.run.get("config")))
 
 
 def render_details(ctx: RunContext) -> None:

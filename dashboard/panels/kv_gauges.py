@@ -19,6 +19,18 @@ def kv_gauges(tick: dict) -> tuple[str, str]:
     return tokens, size
 
 
+def kv_kind_caption(config: dict | None) -> str:
+    """'; KV cache: MLA latent rows, 80 values per token and layer (per-head K/V: 320, 4.0x)' for an MLA
+    run, '' for per-head K/V or a run that predates the field."""
+    if not config or config.get("kv_kind") != "mla_latent":
+        return ""
+    latent, full = config.get("kv_values_per_token_layer"), config.get("kv_full_values_per_token_layer")
+    if not (_is_number(latent) and _is_number(full) and latent > 0):
+        return "; KV cache: MLA latent rows"
+    return (f"; KV cache: MLA latent rows, {int(latent)} values per token and layer "
+            f"(per-head K/V: {int(full)}, {full / latent:.1f}x)")
+
+
 def kv_quant_caption(status: dict | None) -> str:
     """'; KV cache innerq4: applied since tick 41' from the latest state change, '' without one."""
     if not status:

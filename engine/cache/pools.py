@@ -4,7 +4,7 @@ InnerQ handle of a quantized store, and the prefix cache.
 The scheduler admits and releases sequences here, sets the block cap, normalizes SSM state and
 polls InnerQ; the runner reads the stores while it runs a forward and takes the blocks that forward
 needs (``allocate``: all of them or none, so ``KVCacheExhausted`` leaves nothing behind).
-A new kind of cache (latent KV for MLA) is one more field here.
+An MLA model's cache is the same blocks over a ``LatentKVStore`` (one latent row per token).
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from engine.cache.kv import BlockManager
 from engine.cache.kv_calibration import STATE_OFF
 from engine.cache.kv_quant import InnerQConfig, fp_block_bytes
 from engine.cache.kv_store import KVStore
+from engine.cache.latent_store import LatentKVStore, build_latent_cache
 from engine.cache.prefix_pool import PrefixPool
 from engine.cache.sequence import SequenceState
 from engine.cache.ssm_pool import SSMPool
@@ -28,9 +29,9 @@ Growth = list[tuple[SequenceState, int]]   # (sequence, its block count before a
 @dataclass
 class CachePools:
     blocks: BlockManager              # KV block bookkeeping (free / in use / evictable, ref counts, cap)
-    kv_store: KVStore                 # the K/V tensors (a QuantKVStore under InnerQ)
+    kv_store: KVStore | LatentKVStore  # the K/V tensors (a QuantKVStore under InnerQ, latents for MLA)
     ssm: SSMPool                      # linear-attention state slots and snapshots
-    fp_block_bytes: int               # bytes of one full-precision block (the byte budget's unit)
+    fp_block_bytes: int               # bytes of one full-precision (or latent) block: the byte budget's unit
     innerq: InnerQCache | None = None
     prefix: PrefixPool | None = None
 
@@ -43,12 +44,20 @@ class CachePools:
         without it an InnerQ cache gets the bytes ``num_kv_blocks`` full-precision blocks take.
         ``scratch``: a block and a slot no sequence owns, for a compiled step's padding rows."""
         config, device = model.config, torch.device(device)
-        # The MTP layers (if any) are K/V layers too: same blocks, same block tables.
-        layers, kv_heads, head_dim = list(model.kv_layer_ids), config.num_key_value_heads, config.head_dim
-        block_bytes = fp_block_bytes(len(layers), block_size, kv_heads, head_dim, dtype)
         ssm = SSMPool(num_ssm_slots, len(config.linear_attention_layers), config.conv_dim,
                       config.linear_conv_kernel_dim, config.linear_num_value_heads, config.linear_key_head_dim,
                       config.linear_value_head_dim, device=device, scratch_slot=scratch)
+        # The MTP layers (if any) are K/V layers too: same blocks, same block tables.
+        layers = list(model.kv_layer_ids)
+        if model.is_mla:
+            if kv_quant is not None:
+                raise ValueError("--kv-quant: InnerQ quantizes per-head keys and values; an MLA model caches "
+                                 "latents, which it does not support")
+            blocks, store = build_latent_cache(layers, num_kv_blocks, block_size, config.latent_dim, dtype, device,
+                                               kv_budget_bytes, scratch)
+            return cls(blocks, store, ssm, store.block_bytes)
+        kv_heads, head_dim = config.num_key_value_heads, config.head_dim
+        block_bytes = fp_block_bytes(len(layers), block_size, kv_heads, head_dim, dtype)
         if kv_quant is not None:
             budget = kv_budget_bytes if kv_budget_bytes is not None else num_kv_blocks * block_bytes
             innerq = InnerQCache.build(layers, budget, block_size, kv_heads, head_dim, kv_quant, dtype, device,

@@ -22,7 +22,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print the comparison as one JSON object")
     p.add_argument("--flip", action="append", default=[], metavar="NAME=VALUE",
                    help="override a lever for the whole replay (repeatable), e.g. bisect_no_mix=true")
-    p.add_argument("--model", default=None, help="'tiny' or a checkpoint directory (default: the run's model)")
+    p.add_argument("--model", default=None, help="an embedded model (tiny, tiny-moe, tiny-kimi) or a checkpoint directory (default: the run's model when embedded)")
     add_kv_cache_args(p, from_run=True)
     p.add_argument("--ignore-checkpoint-hash", action="store_true",
                    help="replay even when the checkpoint differs from the recorded one (warns)")

@@ -14,8 +14,22 @@ class ConfigError(ValueError):
     """config.json describes something this engine cannot run."""
 
 
+class HybridLayers:
+    """The layer pattern of a hybrid config (``layer_types``): which layers are full / linear attention."""
+
+    layer_types: tuple[str, ...]
+
+    @property
+    def full_attention_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
+
+    @property
+    def linear_attention_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
+
+
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(HybridLayers):
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -100,14 +114,6 @@ class ModelConfig:
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
-
-    @property
-    def full_attention_layers(self) -> list[int]:
-        return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
-
-    @property
-    def linear_attention_layers(self) -> list[int]:
-        return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
 
     @property
     def linear_key_dim(self) -> int:

@@ -3,15 +3,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-EMBEDDED_MODELS = ("tiny", "tiny-moe")
+EMBEDDED_MODELS = ("tiny", "tiny-moe", "tiny-kimi")
 
 
 def checkpoint_dir_of(name_or_dir: str) -> Path:
-    """The checkpoint directory for ``tiny`` / ``tiny-moe`` (created on first use) or a path."""
+    """The checkpoint directory for ``tiny`` / ``tiny-moe`` / ``tiny-kimi`` (created on first use) or a path."""
     if name_or_dir == "tiny":
         from engine.model.tiny import ensure_tiny_checkpoint
         return ensure_tiny_checkpoint()
     if name_or_dir == "tiny-moe":
         from engine.model.tiny_moe import ensure_tiny_moe_checkpoint
         return ensure_tiny_moe_checkpoint()
+    if name_or_dir == "tiny-kimi":
+        from engine.model.tiny_kimi import ensure_tiny_kimi_checkpoint
+        return ensure_tiny_kimi_checkpoint()
     return Path(name_or_dir).expanduser()

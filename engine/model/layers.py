@@ -216,6 +216,30 @@ class GatedRMSNorm(nn.Module):
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
+class RMSNorm(nn.Module):
+    """Plain-scale RMSNorm, ``weight * (x / rms(x))`` (Kimi Linear's; transformers' LlamaRMSNorm).
+
+    The normalized rows are rounded to the input dtype before the weight, where the reference rounds.
+    """
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.scale: torch.Tensor | None = None  # float32 weight for the native kernel, set by fuse()
+
+    def fuse(self) -> None:
+        self.scale = self.weight.detach().float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scale is not None and x.dtype == torch.float32:
+            out = rms_norm.rms_norm(x, self.scale, self.eps)  # one native call for decode-sized fp32 rows
+            if out is not None:
+                return out
+        normed = _rms_normalize(x, self.eps)
+        return self.weight * (normed if normed.dtype == x.dtype else normed.to(x.dtype))
+
+
 class SwiGLU(nn.Module):
     """``down(silu(gate(x)) * up(x))``; gate and up are fused into one GEMM after loading."""
 

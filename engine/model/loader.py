@@ -8,6 +8,7 @@ import torch
 from safetensors import safe_open
 
 from engine.model.config import ConfigError, ModelConfig
+from engine.model.kimi_config import MODEL_TYPE as KIMI_MODEL_TYPE, KimiConfig
 from engine.model.errors import CheckpointError  # noqa: F401  (raised here, imported from here by callers)
 from engine.model.mtp import attach_mtp
 from engine.model.qwen3_5 import Qwen35ForCausalLM
@@ -16,7 +17,7 @@ from engine.model.tokenizer import Tokenizer, load_tokenizer
 INDEX_FILE = "model.safetensors.index.json"
 
 
-def read_config(directory: Path) -> ModelConfig:
+def read_config(directory: Path) -> ModelConfig | KimiConfig:
     path = directory / "config.json"
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: not a directory")
@@ -28,6 +29,8 @@ def read_config(directory: Path) -> ModelConfig:
     except json.JSONDecodeError as err:
         raise CheckpointError(f"{path}: not valid JSON ({err})") from None
     try:
+        if isinstance(raw, dict) and raw.get("model_type") == KIMI_MODEL_TYPE:
+            return KimiConfig.from_hf_dict(raw, source=str(path))
         return ModelConfig.from_hf_dict(raw, source=str(path))
     except ConfigError as err:
         raise CheckpointError(str(err)) from None
@@ -156,7 +159,16 @@ def load_model(name_or_dir: str | Path, dtype: torch.dtype = torch.float32,
     return model, config, tokenizer
 
 
-def _build(config: ModelConfig, directory: Path, ep_rank: int, ep_size: int) -> Qwen35ForCausalLM:
+def _build(config: ModelConfig | KimiConfig, directory: Path, ep_rank: int, ep_size: int) -> Qwen35ForCausalLM:
+    if isinstance(config, KimiConfig):
+        from engine.model.kimi_linear import KimiLinearForCausalLM
+        if ep_size > 1 and not config.is_moe:
+            raise CheckpointError(f"{directory}: expert parallelism needs sparse MLP layers (mlp_layer_types "
+                                  f"has none)")
+        try:
+            return KimiLinearForCausalLM(config, ep_rank, ep_size)
+        except ConfigError as err:
+            raise CheckpointError(f"{directory}: {err}") from None
     if not config.is_moe:
         if ep_size > 1:
             raise CheckpointError(f"{directory}: expert parallelism needs a mixture-of-experts checkpoint "

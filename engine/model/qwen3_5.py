@@ -33,25 +33,39 @@ class DecoderLayer(nn.Module):
         ``keep_rows`` only drops the others before the residual add and the MLP, which the last
         layer needs for the logits rows alone.
         """
-        normed = self.input_layernorm(x)
-        if self.is_linear:
-            mixed = self.linear_attn(normed, batch, pool)
-        else:
-            mixed = self.self_attn(normed, batch, kv, rotary, cos, sin)
+        mixed = self.mix(self.input_layernorm(x), batch, kv, pool, rotary, cos, sin)
         if keep_rows is not None:
             x, mixed = x.index_select(0, keep_rows), mixed.index_select(0, keep_rows)  # [R, hidden]
         x = x + mixed
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def mix(self, normed, batch, kv, pool, rotary, cos, sin) -> torch.Tensor:
+        """The token mixer over normed rows [T, hidden]: its K/V or SSM state goes to the caches."""
+        if self.is_linear:
+            return self.linear_attn(normed, batch, pool)
+        return self.self_attn(normed, batch, kv, rotary, cos, sin)
+
+    def fuse(self) -> None:
+        (self.linear_attn if self.is_linear else self.self_attn).fuse()
+        self.mlp.fuse()
+        self.input_layernorm.fuse()
+        self.post_attention_layernorm.fuse()
+        if not self.is_linear:
+            self.self_attn.q_norm.fuse()
+            self.self_attn.k_norm.fuse()
+
 
 class TextModel(nn.Module):
-    def __init__(self, config: ModelConfig, make_mlp=None):
+    """Embeddings, the decoder layers (``layer_class``) and the final norm (``norm_class``)."""
+
+    def __init__(self, config: ModelConfig, make_mlp=None, layer_class=DecoderLayer,
+                 norm_class=ZeroCenteredRMSNorm):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         linear_index = {layer: i for i, layer in enumerate(config.linear_attention_layers)}
-        self.layers = nn.ModuleList(DecoderLayer(config, i, linear_index.get(i), make_mlp)
+        self.layers = nn.ModuleList(layer_class(config, i, linear_index.get(i), make_mlp)
                                     for i in range(config.num_hidden_layers))
-        self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = norm_class(config.hidden_size, config.rms_norm_eps)
 
 
 class Qwen35ForCausalLM(nn.Module):
@@ -62,15 +76,17 @@ class Qwen35ForCausalLM(nn.Module):
     # Decode-only forwards may run compiled (engine/model/compiled_decode.py): every op's shape
     # follows the padded batch and the block-table width, none depends on tensor values.
     supports_compiled_decode = True
+    layer_class = DecoderLayer  # what TextModel builds each layer with (Kimi Linear: its own)
+    norm_class = ZeroCenteredRMSNorm
 
     def __init__(self, config: ModelConfig, make_mlp=None):
         super().__init__()
         self.config = config
-        self.model = TextModel(config, make_mlp)
+        self.model = TextModel(config, make_mlp, self.layer_class, self.norm_class)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = PartialRotary(config.rotary_dim, config.rope_theta)
+        self.rotary = self.make_rotary(config)
         self.fused_lm_head: FusedLinear | None = None  # prepacked LM head, set by fuse()
         # Special token ids, filled by the loader from the tokenizer when it has them.
         self.eos_token_id: int | None = config.eos_token_id
@@ -82,6 +98,10 @@ class Qwen35ForCausalLM(nn.Module):
         # The MTP module (engine/model/mtp.py), attached by the loader when the checkpoint has one.
         self.mtp: nn.Module | None = None
         self.mtp_absent_reason = "no MTP module attached"
+
+    @staticmethod
+    def make_rotary(config: ModelConfig):
+        return PartialRotary(config.rotary_dim, config.rope_theta)
 
     @property
     def has_mtp_head(self) -> bool:
@@ -109,13 +129,7 @@ class Qwen35ForCausalLM(nn.Module):
     def fuse(self) -> None:
         """Concatenate projection weights for fewer, larger GEMMs (call after loading weights)."""
         for layer in self.model.layers:
-            (layer.linear_attn if layer.is_linear else layer.self_attn).fuse()
-            layer.mlp.fuse()
-            layer.input_layernorm.fuse()
-            layer.post_attention_layernorm.fuse()
-            if not layer.is_linear:
-                layer.self_attn.q_norm.fuse()
-                layer.self_attn.k_norm.fuse()
+            layer.fuse()
         self.model.norm.fuse()
         if self.mtp is not None:
             self.mtp.fuse()

@@ -149,19 +149,27 @@ class Qwen35MoeForCausalLM(Qwen35ForCausalLM):
 
     # Expert routing picks rows by value (which experts each token chose): decode stays eager.
     supports_compiled_decode = False
+    # A checkpoint's per-expert tensor names for each 3-D expert tensor (``read_checkpoint_tensor``).
+    per_expert_names = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
     def __init__(self, config: ModelConfig, ep_rank: int = 0, ep_size: int = 1):
         if not config.is_moe:
-            raise ConfigError("Qwen35MoeForCausalLM needs a config with num_experts > 0")
+            raise ConfigError(f"{type(self).__name__} needs a config with num_experts > 0")
         bounds = shard_bounds(config.num_experts, ep_size)
         if not 0 <= ep_rank < ep_size:
             raise ConfigError(f"expert-parallel rank {ep_rank} outside world size {ep_size}")
         timings = ForwardTimings()
-        super().__init__(config, make_mlp=lambda cfg, _layer: SparseMoeBlock(cfg, bounds, ep_rank, timings))
+        super().__init__(config, make_mlp=lambda cfg, layer: self.make_moe_block(cfg, layer, bounds, ep_rank, timings))
         self.ep_rank, self.ep_size, self.expert_bounds, self.moe_timings = ep_rank, ep_size, bounds, timings
         # Rank 0 under expert parallelism: broadcasts each forward's inputs first (engine/distributed/leader.py).
         self.leader = None
         self.clock_ns: Callable[[], int] = time.monotonic_ns  # run-relative once telemetry is attached
+
+    @staticmethod
+    def make_moe_block(config, layer_id: int, bounds: list[tuple[int, int]], rank: int,
+                       timings: ForwardTimings) -> nn.Module:
+        """Layer ``layer_id``'s MLP: every Qwen3.5-MoE layer has the sparse block."""
+        return SparseMoeBlock(config, bounds, rank, timings)
 
     @property
     def last_broadcast_ns(self) -> int | None:
@@ -206,7 +214,8 @@ class Qwen35MoeForCausalLM(Qwen35ForCausalLM):
     def attach_exchange(self, exchange) -> None:
         """Route every MoE block's expert rows through ``exchange`` (see ``LocalExchange.combine``)."""
         for layer in self.model.layers:
-            layer.mlp.exchange = exchange
+            if hasattr(layer.mlp, "exchange"):  # sparse blocks only (Kimi Linear has dense ones too)
+                layer.mlp.exchange = exchange
 
     def read_checkpoint_tensor(self, stored_name: str, read: Callable[[str], torch.Tensor | None]):
         """This rank's slice of a 3-D expert tensor, from the 3-D layout or stacked per-expert weights.
@@ -228,8 +237,7 @@ class Qwen35MoeForCausalLM(Qwen35ForCausalLM):
         base = stored_name[: -len(kind)]
         per_expert = []
         for expert in range(first, end):
-            names = ([f"{base}{expert}.gate_proj.weight", f"{base}{expert}.up_proj.weight"]
-                     if kind == "gate_up_proj" else [f"{base}{expert}.down_proj.weight"])
+            names = [f"{base}{expert}.{part}.weight" for part in self.per_expert_names[kind]]
             parts = [read(name) for name in names]
             if any(part is None for part in parts):
                 return None  # the loader reports the 3-D name as missing

@@ -40,6 +40,8 @@ class MachineRates:
 
 def gemm_params(config: ModelConfig) -> tuple[int, int]:
     """(body GEMM weights per token, LM-head weights): every projection a token goes through."""
+    if getattr(config, "latent_dim", None):
+        return _kimi_gemm_params(config), config.vocab_size * config.hidden_size
     h = config.hidden_size
     attn = h * config.num_attention_heads * config.head_dim * 2  # q and its output gate
     attn += 2 * h * config.num_key_value_heads * config.head_dim  # k, v
@@ -50,6 +52,28 @@ def gemm_params(config: ModelConfig) -> tuple[int, int]:
     body = (len(config.full_attention_layers) * attn + len(config.linear_attention_layers) * gdn
             + config.num_hidden_layers * mlp)
     return body, config.vocab_size * h
+
+
+def _kimi_gemm_params(config) -> int:
+    """Kimi Linear's body: MLA and KDA projections, dense MLPs, and the experts a token runs (top-k + shared)."""
+    h, heads = config.hidden_size, config.num_attention_heads
+    mla = h * heads * config.qk_head_dim + h * config.latent_dim + config.kv_lora_rank * heads * (
+        config.qk_nope_head_dim + config.v_head_dim) + heads * config.v_head_dim * h
+    width, dim = config.linear_key_dim, config.linear_head_dim
+    kda = h * (config.conv_dim + 2 * dim + config.linear_num_heads) + 2 * dim * width + width * h
+    dense = 3 * h * config.intermediate_size
+    sparse = 3 * h * config.moe_intermediate_size * (config.num_experts_per_tok + config.num_shared_experts)
+    sparse += h * config.num_experts  # the router
+    mlps = sum(dense if kind == "dense" else sparse for kind in config.mlp_layer_types)
+    return len(config.full_attention_layers) * mla + len(config.linear_attention_layers) * kda + mlps
+
+
+def _attention_widths(config) -> tuple[int, int]:
+    """(cached values per token and attention layer, query width): per-head K/V, or an MLA latent row."""
+    if getattr(config, "latent_dim", None):
+        # Scores over qk dims and the weighted sum over v dims per head: 4 * width FLOPs per key.
+        return config.latent_dim, config.num_attention_heads * (config.qk_head_dim + config.v_head_dim) // 2
+    return 2 * config.num_key_value_heads * config.head_dim, config.num_attention_heads * config.head_dim
 
 
 def _ssm_state_bytes(config: ModelConfig) -> int:
@@ -71,8 +95,7 @@ def forward_cost(config: ModelConfig, weight_bytes: int, prefill_tokens: int, pr
     body, head = gemm_params(config)
     tokens = prefill_tokens + len(decode_contexts)
     full_layers = len(config.full_attention_layers)
-    kv_width = 2 * config.num_key_value_heads * config.head_dim  # K and V per token per layer
-    q_width = config.num_attention_heads * config.head_dim
+    kv_width, q_width = _attention_widths(config)  # cached values per token per layer, query width
     # Attention: QK^T and PV, 2 FLOPs per multiply-add each, over the visible keys.
     prefill_keys = prefill_tokens * prefill_start + prefill_tokens * (prefill_tokens + 1) // 2
     visible = prefill_keys + sum(decode_contexts)

@@ -28,6 +28,7 @@ from engine.replay import flips as replay_flips
 from engine.serve.driver import LeverTimeline, TickArrivals, TickCancels, TickDriver, run_arrivals
 from engine.serve.engine_setup import build_engine, checkpoint_dir_of, checkpoint_hash
 from engine.cache.kv_options import OPTION_KEYS
+from engine.model.embedded import EMBEDDED_MODELS
 from engine.model.fault import ForwardFault
 from engine.replay.compare import ReplayedRequest, ReplayedRun
 from engine.replay.record import RecordedRun, ReplayInputError, load_recorded_run
@@ -67,10 +68,10 @@ def load_input(path: str, run_id: int | None = None) -> tuple[RecordedRun, dict[
 def resolve_model(recorded: RecordedRun, model: str | None, *, ignore_hash: bool) -> tuple[str, list[str]]:
     """The model to load and any warnings; refuses a checkpoint whose hash differs from the run's."""
     if model is None:
-        if recorded.model != "tiny":
+        if recorded.model not in EMBEDDED_MODELS:  # an embedded model is rebuilt from its seed here
             raise ReplayInputError(f"run {recorded.run_id} used checkpoint {recorded.model!r}: "
                                    f"pass --model DIR pointing at it")
-        model = "tiny"
+        model = recorded.model
     directory = checkpoint_dir_of(model)
     if not directory.is_dir():
         raise ReplayInputError(f"--model {model}: no such checkpoint directory")

@@ -69,6 +69,16 @@ def check_prompt(prompt_tokens: Sequence[Any], *, vocab_size: int, max_context: 
     return tokens
 
 
+def whole_prompt_refusal(prompt_len: int, max_tick_tokens: int) -> str | None:
+    """Why a prompt can never start under the MLA whole-prompt rule (its one chunk over the tick's
+    token budget), or None. Its blocks are checked with every prompt (``check_prompt``)."""
+    if prompt_len <= max_tick_tokens:
+        return None
+    return (f"prompt_tokens: {prompt_len} tokens exceed the tick's token budget (max_tick_tokens = "
+            f"{max_tick_tokens}); an MLA prompt runs as one whole chunk under the reference's rule "
+            f"(mla_chunked_prefill off), so it can never start")
+
+
 def rejected_request(request_id: int, prompt_tokens: Any, sampling: Any, features: Any, grammar: Any, *,
                      vocab_size: int, now_ns: int, tick: int, conversation_id: int | None) -> Request:
     """The ended request for one that failed its checks, kept as the client sent it, so its row

@@ -3,11 +3,14 @@
 Pure functions on plain ints. The rules, in the reference scheduler's order:
 
 1. the remaining prompt tokens;
-2. capped by ``max_prefill_tokens`` (an MLA-style model takes the whole
-   remainder instead: its prefill attends only over the current call's K/V,
-   so its prompt must never be split);
-3. capped by ``slice_budget`` when the always-mixed lever passes one (MLA
-   ignores it for the same reason);
+2. capped by ``max_prefill_tokens`` (an MLA model takes the whole remainder
+   instead, the reference's rule: its MLA prefill attends only over the
+   current call's K/V, so its prompt must never be split; with the
+   ``mla_chunked_prefill`` lever on, ours attends over the cached latents and
+   chunks like any other model);
+3. capped by ``slice_budget`` when the always-mixed lever passes one (the MLA
+   whole-prompt rule ignores it for the same reason, and says so:
+   ``slice_budget_ignored``);
 4. cut at the SSM tail boundary when ``ssm_tail_ckpt`` is on, mid-chunk
    capture is off and the chunk spans the boundary, so an SSM snapshot lands
    exactly where the next turn's prefix match stops;
@@ -29,8 +32,11 @@ did not change the length is not credited). Edge cases, decided here:
   one at or beyond the chunk's end is not spanned; a chunk ending exactly on
   it keeps that end (it is a restorable point, no need to align down).
 - A last chunk (it reaches the end of the prompt) is never aligned or split.
-- MLA skips the SSM tail cut too: splitting would break its whole-prompt rule
-  (and such models keep no SSM state to snapshot).
+- The MLA whole-prompt rule skips the SSM tail cut too: splitting would break
+  it. The boundary stays on the row (in force), and the prefix step captures
+  the SSM state there inside the chunk instead (Kimi Linear's KDA layers keep
+  SSM state): the reference cuts there, splitting the prompt its own rule
+  says must stay whole.
 """
 from __future__ import annotations
 
@@ -53,6 +59,7 @@ class ChunkPlan:
     is_last: bool                       # the chunk reaches the end of the prompt
     cap_rule: str                       # CAP_* rule that set ``length``
     ssm_tail_boundary: int | None       # the tail boundary in force (None when ssm_tail_ckpt is off)
+    slice_budget_ignored: bool = False  # the MLA whole-prompt rule ran past a slice budget in force
 
 
 def ssm_tail_boundary(prompt_len: int, block_size: int) -> int | None:
@@ -92,24 +99,26 @@ def plan_chunk(
     ssm_tail_ckpt: bool,
     ssm_tail_midchunk: bool,
     tail_split: int | None,
+    mla_chunked_prefill: bool = False,
 ) -> ChunkPlan:
     """Plan the chunk starting at ``offset``; see the module docstring for the rules."""
     _check_inputs(prompt_len, offset, max_prefill_tokens, slice_budget, block_size, tail_split)
     remaining = prompt_len - offset
     length, rule = remaining, CAP_REMAINING
+    # The boundary is in force (and on the chunk's row) whenever the lever is on; only without
+    # mid-chunk capture does it cut the chunk (with it, the runner captures the state inside).
+    tail = ssm_tail_boundary(prompt_len, block_size) if ssm_tail_ckpt and block_size is not None else None
 
-    if is_mla:
-        would_split = remaining > max_prefill_tokens or (slice_budget is not None and remaining > slice_budget)
-        return ChunkPlan(remaining, True, CAP_WHOLE_PROMPT if would_split else CAP_REMAINING, None)
+    if whole_prompt_rule(is_mla, mla_chunked_prefill):
+        ignored = slice_budget is not None and remaining > slice_budget
+        would_split = remaining > max_prefill_tokens or ignored
+        return ChunkPlan(remaining, True, CAP_WHOLE_PROMPT if would_split else CAP_REMAINING, tail, ignored)
 
     if length > max_prefill_tokens:
         length, rule = max_prefill_tokens, CAP_MAX_PREFILL
     if slice_budget is not None and length > slice_budget:
         length, rule = slice_budget, CAP_SLICE_BUDGET
 
-    # The boundary is in force (and on the chunk's row) whenever the lever is on; only without
-    # mid-chunk capture does it cut the chunk (with it, the runner captures the state inside).
-    tail = ssm_tail_boundary(prompt_len, block_size) if ssm_tail_ckpt and block_size is not None else None
     if tail is not None and not ssm_tail_midchunk and offset < tail < offset + length:
         length, rule = tail - offset, CAP_SSM_TAIL
 
@@ -125,6 +134,16 @@ def plan_chunk(
             # aligned_end <= offset: the cap stops short of the next boundary; keep it (>= 1 token).
 
     return ChunkPlan(length, offset + length >= prompt_len, rule, tail)
+
+
+def whole_prompt_rule(is_mla: bool, mla_chunked_prefill: bool) -> bool:
+    """Whether a prompt's chunk is its whole remainder: an MLA model under the reference's rule."""
+    return is_mla and not mla_chunked_prefill
+
+
+def first_chunk_tokens(prompt_len: int, max_prefill_tokens: int, whole_prompt: bool) -> int:
+    """The tokens of a prompt's first chunk, as admission sizes it: the whole prompt under the rule."""
+    return prompt_len if whole_prompt else min(prompt_len, max_prefill_tokens)
 
 
 def plan_all_chunks(*, prompt_len: int, offset: int = 0, **rules) -> list[tuple[int, ChunkPlan]]:

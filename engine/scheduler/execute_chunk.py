@@ -39,7 +39,8 @@ def execute_chunk(plan: TickPlan, ctx: TickContext, queues: Queues, pools: Cache
         max_prefill_tokens=levers.max_prefill_tokens,
         slice_budget=levers.slice_budget if levers.always_mixed else None,
         ssm_tail_boundary=chunk.ssm_tail_boundary, can_mix=step.verdict.can_mix, mix_blocker=step.verdict.blocker,
-        decode_width=len(queues.active), kv_quant_state=kv_quant_state)
+        decode_width=len(queues.active), kv_quant_state=kv_quant_state,
+        slice_budget_ignored=chunk.slice_budget_ignored)
     out = TickOutput(row=row, chunk_start_ns=start)
     if req.chunk_offset == req.prefix_hit_tokens:  # the first computed chunk (after any cached prefix)
         ctx.emit_request(req, "prefill_start")

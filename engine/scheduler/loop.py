@@ -26,8 +26,9 @@ from engine.scheduler import grammar_step
 from engine.scheduler.account import account
 from engine.scheduler.adaptive import region_of
 from engine.scheduler.admission import (RequestRejected, check_features, check_prompt, mark_rejected,
-                                        parse_sampling, recorded_spec, rejected_request)
+                                        parse_sampling, recorded_spec, rejected_request, whole_prompt_refusal)
 from engine.scheduler.admit import admit
+from engine.scheduler.chunk_plan import whole_prompt_rule
 from engine.scheduler.context import Emit, ModelTraits, RunEvents, TickContext
 from engine.scheduler.endings import finish
 from engine.scheduler.execute import execute
@@ -205,6 +206,10 @@ class Scheduler:
             tokens = check_prompt(prompt_tokens, vocab_size=self.runner.vocab_size,
                                   max_context=self.max_context, num_usable_blocks=bm.num_blocks,
                                   block_size=bm.block_size, max_tokens=params.max_tokens)
+            if whole_prompt_rule(self.traits.is_mla, self.levers.mla_chunked_prefill):
+                refusal = whole_prompt_refusal(len(tokens), self.levers.max_tick_tokens)
+                if refusal is not None:  # at once; admission checks again after a lever change
+                    raise RequestRejected(refusal)
         except RequestRejected as exc:
             request = rejected_request(request_id, prompt_tokens, sampling, features, grammar,
                                        vocab_size=self.runner.vocab_size, now_ns=self.now_ns(), tick=self.tick,

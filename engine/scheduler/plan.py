@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from engine.cache.pools import CachePools
 from engine.scheduler import prefix_step, siblings
-from engine.scheduler.chunk_plan import ChunkPlan, plan_chunk
+from engine.scheduler.chunk_plan import ChunkPlan, plan_chunk, whole_prompt_rule
 from engine.scheduler.context import TickContext
 from engine.scheduler.mixing import DraftDrop, MixVerdict, can_mix, decode_order, plan_draft_drop
 from engine.scheduler.queues import Queues
@@ -34,7 +34,8 @@ class ChunkStep:
     chunk: ChunkPlan                 # length, is_last, the cap rule that set it, the SSM tail boundary
     verdict: MixVerdict              # may it fuse with the decodes; the first blocker when not
     drop: DraftDrop | None           # what a fused forward does with pending drafts (None: no fused forward)
-    capture_at: int | None           # SSM state captured inside the chunk (ssm_tail_midchunk), else None
+    capture_at: int | None           # SSM state captured inside the chunk (ssm_tail_midchunk, or a whole
+                                     # MLA prompt that cannot be cut at the tail), else None
 
 
 @dataclass(frozen=True)
@@ -61,12 +62,13 @@ def plan_tick(ctx: TickContext, queues: Queues, pools: CachePools) -> TickPlan:
         prompt_len=req.prompt_len, offset=req.chunk_offset, max_prefill_tokens=levers.max_prefill_tokens,
         slice_budget=levers.slice_budget if levers.always_mixed else None, is_mla=traits.is_mla,
         block_size=traits.block_size, ssm_tail_ckpt=tail_ckpt, ssm_tail_midchunk=levers.ssm_tail_midchunk,
-        tail_split=traits.prefill_tail_split(req.prompt_tokens))
+        tail_split=traits.prefill_tail_split(req.prompt_tokens), mla_chunked_prefill=levers.mla_chunked_prefill)
     verdict = can_mix(bisect_no_mix=levers.bisect_no_mix, num_active=len(active), is_ep=traits.is_ep,
                       speculation=levers.speculation)
     capture_at = prefix_step.capture_point(
         levers, tail_ckpt=tail_ckpt, prefix_on=pools.prefix is not None, has_linear_attention=traits.has_linear_attention,
-        block_size=traits.block_size, prompt_len=req.prompt_len, offset=req.chunk_offset, length=chunk.length)
+        block_size=traits.block_size, prompt_len=req.prompt_len, offset=req.chunk_offset, length=chunk.length,
+        whole_prompt=whole_prompt_rule(traits.is_mla, levers.mla_chunked_prefill))
     if not verdict.can_mix:
         return TickPlan(KIND_CHUNK, ChunkStep(req, chunk, verdict, None, capture_at))
     drop = plan_draft_drop(levers.speculation, [len(a.pending_drafts) for a in active])

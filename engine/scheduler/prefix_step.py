@@ -15,7 +15,7 @@ from engine.cache.prefix_pool import (EVENT_EVICTED, EVENT_HIT, EVENT_RESTORED, 
                                       EVENT_TAKEN, HOW_CHUNK_END, HOW_MIDCHUNK)
 from engine.cache.ssm_pool import SSMSnapshot
 from engine.scheduler import siblings
-from engine.scheduler.chunk_plan import ssm_tail_boundary
+from engine.scheduler.chunk_plan import ssm_tail_boundary, whole_prompt_rule
 from engine.scheduler.context import TickContext
 from engine.scheduler.request import Request
 from telemetry.levers import LeverValues
@@ -37,9 +37,14 @@ def snapshot_points(tail_ckpt: bool, block_size: int, prompt_len: int) -> set[in
 
 
 def capture_point(levers: LeverValues, *, tail_ckpt: bool, prefix_on: bool, has_linear_attention: bool,
-                  block_size: int, prompt_len: int, offset: int, length: int) -> int | None:
-    """The tail boundary when it lies strictly inside this chunk and mid-chunk capture is on."""
-    if not prefix_on or not (tail_ckpt and levers.ssm_tail_midchunk) or not has_linear_attention:
+                  block_size: int, prompt_len: int, offset: int, length: int, whole_prompt: bool = False) -> int | None:
+    """The tail boundary when it lies strictly inside this chunk and mid-chunk capture is on.
+
+    ``whole_prompt`` (the MLA whole-prompt rule): the chunk cannot be cut at the boundary, so
+    with the tail checkpoint on the state is captured inside it whatever ``ssm_tail_midchunk`` says.
+    """
+    midchunk = levers.ssm_tail_midchunk or whole_prompt
+    if not prefix_on or not (tail_ckpt and midchunk) or not has_linear_attention:
         return None
     tail = ssm_tail_boundary(prompt_len, block_size)
     return tail if tail is not None and offset < tail < offset + length else None
@@ -50,7 +55,10 @@ def on_admit(ctx: TickContext, pools: CachePools, req: Request) -> None:
     """Attach the cached prefix of ``req`` (its slot is fresh) and start prefill after it."""
     if pools.prefix is None:
         return
-    match = pools.prefix.admit(req.request_id, req.prompt_tokens, req.seq, ctx.levers.max_prefill_tokens,
+    # The first chunk after the prefix: the whole rest under the MLA whole-prompt rule.
+    whole = whole_prompt_rule(ctx.traits.is_mla, ctx.levers.mla_chunked_prefill)
+    first_chunk_cap = req.prompt_len if whole else ctx.levers.max_prefill_tokens
+    match = pools.prefix.admit(req.request_id, req.prompt_tokens, req.seq, first_chunk_cap,
                                no_hit=PROMPT_LOGPROBS_MISS if req.features.prompt_logprobs is not None else None)
     req.chunk_offset = match.num_tokens
     req.prefix_hit_tokens = match.num_tokens

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from engine.scheduler.chunk_plan import first_chunk_tokens
+
 
 @dataclass(frozen=True)
 class HeadNeeds:
@@ -25,6 +27,7 @@ class HeadNeeds:
     cap: int | None            # the kv_blocks_cap lever (None: no cap)
     ssm_free: int
     ssm_slots: int
+    whole_prompt: bool = False # the MLA whole-prompt rule: the first chunk is the whole prompt
 
 
 def blocker(needs: HeadNeeds) -> str | None:
@@ -34,21 +37,23 @@ def blocker(needs: HeadNeeds) -> str | None:
         return f"{head} waits for an SSM slot (all {needs.ssm_slots} in use)"
     if needs.blocks_needed <= needs.num_free:
         return None
+    what = (f"its whole {needs.chunk_tokens}-token prompt (MLA whole-prompt rule: mla_chunked_prefill off)"
+            if needs.whole_prompt else f"its first {needs.chunk_tokens}-token chunk")
     if needs.cap is not None and needs.cap < needs.num_blocks and needs.blocks_needed > needs.cap:
         return (f"{head} needs {needs.blocks_needed} KV blocks, cap is {needs.cap} "
-                f"(kv_blocks_cap lever; its first {needs.chunk_tokens}-token chunk cannot start until "
-                f"the cap is raised)")
-    return (f"{head} needs {needs.blocks_needed} KV blocks, {needs.num_free} free of "
+                f"(kv_blocks_cap lever; {what} cannot start until the cap is raised)")
+    why = f" for {what}" if needs.whole_prompt else ""
+    return (f"{head} needs {needs.blocks_needed} KV blocks{why}, {needs.num_free} free of "
             f"{min(needs.num_blocks, needs.cap or needs.num_blocks)} usable ({needs.num_used} in use)")
 
 
-def head_needs(waiting, pools: Any, max_prefill_tokens: int) -> HeadNeeds | None:
+def head_needs(waiting, pools: Any, max_prefill_tokens: int, whole_prompt: bool = False) -> HeadNeeds | None:
     """The head request's needs, or None when the queue is empty."""
     if not waiting:
         return None
     head = waiting[0]
     bm, pool = pools.blocks, pools.ssm
-    chunk = min(head.prompt_len, max_prefill_tokens)
+    chunk = first_chunk_tokens(head.prompt_len, max_prefill_tokens, whole_prompt)
     return HeadNeeds(request_id=head.request_id, chunk_tokens=chunk, blocks_needed=bm.num_blocks_for(chunk),
                      num_free=bm.num_free, num_used=bm.num_used, num_blocks=bm.num_blocks, cap=bm.cap,
-                     ssm_free=pool.num_free, ssm_slots=pool.num_slots)
+                     ssm_free=pool.num_free, ssm_slots=pool.num_slots, whole_prompt=whole_prompt)

@@ -107,6 +107,7 @@ def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: Lev
                      "kv_cache_blocks": runner.pools.blocks.num_blocks, "kv_cache_bytes": runner.pools.kv_bytes_total,
                      # Paged K/V layers (full attention + the MTP module's) and their bytes.
                      "kv_layers": len(model.kv_layer_ids), "kv_bytes": runner.pools.kv_store.num_bytes,
+                     **_kv_kind(model),
                      "mtp_layers": len(model.mtp.layers) if model.has_mtp_head else 0}
     engine_config["compile"] = _compile_description(runner, compile, compile_settings, ssm_slots, compile_warmup)
     if fault is not None:
@@ -198,3 +199,12 @@ def run_started_row(setup: EngineSetup, args: Any, workload: dict[str, Any], arg
         levers=setup.scheduler.levers.as_dict(), command_line=" ".join(["python -m engine", *argv[1:]])
         if argv and argv[0].endswith("__main__.py") else " ".join(argv),
         checkpoint_hash=checkpoint_hash(setup.checkpoint_dir))
+
+
+def _kv_kind(model) -> dict:
+    """What one cached token holds per K/V layer: MLA latent rows, or every head's K and V."""
+    config = model.config
+    if model.is_mla:
+        return {"kv_kind": "mla_latent", "kv_values_per_token_layer": config.latent_dim,
+                "kv_full_values_per_token_layer": config.full_kv_width}
+    return {"kv_kind": "per_head", "kv_values_per_token_layer": 2 * config.num_key_value_heads * config.head_dim}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 
+from engine.scheduler.chunk_plan import whole_prompt_rule
 from engine.scheduler.stall import blocker, head_needs
 from telemetry import events as ev
 
@@ -28,7 +29,8 @@ class StallWatch:
         """What keeps the head of the queue waiting now (also while others run), or None."""
         if sched.prefilling is not None:
             return None
-        needs = head_needs(sched.waiting, sched.pools, sched.levers.max_prefill_tokens)
+        needs = head_needs(sched.waiting, sched.pools, sched.levers.max_prefill_tokens,
+                           whole_prompt_rule(sched.runner.is_mla, sched.levers.mla_chunked_prefill))
         return blocker(needs) if needs is not None else None
 
     def after_step(self, sched, progressed: bool) -> bool:

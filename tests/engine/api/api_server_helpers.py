@@ -16,11 +16,11 @@ MAX_WAITING = 3
 SSM_SLOTS = 2
 
 
-def started_server(run_dir: Path, *args: str) -> Server:
+def started_server(run_dir: Path, *args: str, env_extra: dict[str, str] | None = None) -> Server:
     """``serve --workload none --api-port P *args`` on a free port, once its /health answers (a
-    ``--workload`` in ``args`` wins: argparse keeps the last)."""
+    ``--workload`` in ``args`` wins: argparse keeps the last); ``env_extra``: lever variables."""
     port = free_port()
-    proc = start_serve(run_dir, "--workload", "none", "--api-port", str(port), *args)
+    proc = start_serve(run_dir, "--workload", "none", "--api-port", str(port), *args, env_extra=env_extra)
     url = f"http://127.0.0.1:{port}"
 
     def healthy():

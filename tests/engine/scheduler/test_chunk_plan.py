@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.scheduler.chunk_plan import ChunkPlan, plan_all_chunks, plan_chunk, ssm_tail_boundary
+from engine.scheduler.chunk_plan import plan_all_chunks, plan_chunk, ssm_tail_boundary
 from telemetry.events import (
     CAP_BLOCK_ALIGN,
     CAP_MAX_PREFILL,
@@ -39,8 +39,16 @@ CASES = [
     ("MLA ignores slice budget alone", 100, 0, dict(is_mla=True, max_prefill_tokens=128, slice_budget=16),
      (100, True, CAP_WHOLE_PROMPT, None)),
     ("MLA short prompt", 10, 0, dict(is_mla=True), (10, True, CAP_REMAINING, None)),
-    ("MLA is never cut at the SSM tail", 100, 0, dict(is_mla=True, ssm_tail_ckpt=True),
-     (100, True, CAP_WHOLE_PROMPT, None)),
+    ("MLA is never cut at the SSM tail; the boundary stays in force (captured inside)", 100, 0,
+     dict(is_mla=True, ssm_tail_ckpt=True), (100, True, CAP_WHOLE_PROMPT, 96)),
+    ("MLA with mla_chunked_prefill chunks like any model", 100, 0,
+     dict(is_mla=True, mla_chunked_prefill=True, max_prefill_tokens=40), (32, False, CAP_BLOCK_ALIGN, None)),
+    ("MLA with mla_chunked_prefill takes the slice budget", 100, 0,
+     dict(is_mla=True, mla_chunked_prefill=True, slice_budget=48), (48, False, CAP_SLICE_BUDGET, None)),
+    ("MLA with mla_chunked_prefill is cut at the SSM tail", 100, 64,
+     dict(is_mla=True, mla_chunked_prefill=True, ssm_tail_ckpt=True), (32, False, CAP_SSM_TAIL, 96)),
+    ("mla_chunked_prefill on a GQA model changes nothing", 100, 0,
+     dict(mla_chunked_prefill=True, max_prefill_tokens=32), (32, False, CAP_MAX_PREFILL, None)),
     ("SSM tail cut", 100, 64, dict(ssm_tail_ckpt=True), (32, False, CAP_SSM_TAIL, 96)),
     ("SSM tail: mid-chunk capture on, no cut, the boundary still on the row", 100, 64,
      dict(ssm_tail_ckpt=True, ssm_tail_midchunk=True), (36, True, CAP_REMAINING, 96)),
@@ -80,7 +88,8 @@ CASES = [
 
 @pytest.mark.parametrize("name, prompt_len, offset, over, expected", CASES, ids=[c[0] for c in CASES])
 def test_plan_table(name, prompt_len, offset, over, expected):
-    assert plan(prompt_len, offset, **over) == ChunkPlan(*expected)
+    got = plan(prompt_len, offset, **over)
+    assert (got.length, got.is_last, got.cap_rule, got.ssm_tail_boundary) == expected
 
 
 @pytest.mark.parametrize("prompt_len, block, expected", [
@@ -109,6 +118,15 @@ def test_bad_inputs_name_the_field(over, match):
             ssm_tail_boundary(10, 0)
 
 
+@pytest.mark.parametrize("slice_budget, remaining, ignored", [(16, 100, True), (None, 100, False), (128, 100, False)])
+def test_the_whole_prompt_rule_says_when_it_ran_past_the_slice_budget(slice_budget, remaining, ignored):
+    chunk = plan(remaining, is_mla=True, slice_budget=slice_budget, max_prefill_tokens=512)
+    assert (chunk.length, chunk.slice_budget_ignored) == (remaining, ignored)
+    assert plan(remaining, slice_budget=slice_budget).slice_budget_ignored is False  # never outside the rule
+    assert plan(remaining, is_mla=True, mla_chunked_prefill=True, slice_budget=slice_budget).slice_budget_ignored \
+        is False
+
+
 def test_plan_all_chunks_tiles_a_prompt():
     chunks = plan_all_chunks(prompt_len=100, **{**BASE, "max_prefill_tokens": 40, "ssm_tail_ckpt": True})
     assert [(o, p.length, p.cap_rule) for o, p in chunks] == [
@@ -120,6 +138,7 @@ RULES = st.fixed_dictionaries(dict(
     max_prefill_tokens=st.integers(1, 200),
     slice_budget=st.none() | st.integers(1, 200),
     is_mla=st.booleans(),
+    mla_chunked_prefill=st.booleans(),
     block_size=st.none() | st.integers(1, 64),
     ssm_tail_ckpt=st.booleans(),
     ssm_tail_midchunk=st.booleans(),
@@ -139,8 +158,8 @@ def test_planning_from_zero_tiles_the_prompt(prompt_len, rules):
     in_force = rules["ssm_tail_ckpt"] and bs is not None
     tail = ssm_tail_boundary(prompt_len, bs) if in_force else None
     cut = tail if not rules["ssm_tail_midchunk"] else None   # mid-chunk capture never cuts
-    if rules["is_mla"]:
-        assert len(chunks) == 1
+    if rules["is_mla"] and not rules["mla_chunked_prefill"]:
+        assert len(chunks) == 1 and chunks[0][1].ssm_tail_boundary == tail
         return
     ends = set()
     for offset, p in chunks:
