@@ -102,10 +102,14 @@ def test_stop_string_ends_text(api_server):
         assert got == text[:clean[0]] and finish == ["stop"]
 
 
-def engine_logprobs(prompt: list[int], output: list[int]) -> list[torch.Tensor]:
-    """log_softmax of the engine's own logits before each output token: prefill, then decodes."""
-    model, _, _ = load_model("tiny")
-    runner = ModelRunner.build(model, num_kv_blocks=16, num_ssm_slots=1)
+def engine_logprobs(prompt: list[int], output: list[int], dtype: str) -> list[torch.Tensor]:
+    """log_softmax of the engine's own logits before each output token: prefill, then decodes.
+
+    ``dtype`` is the served run's (``runs.config.dtype``): ``--dtype auto`` is bf16 on a CPU with
+    native bf16 multiplies, and the reference must run the forward the server ran.
+    """
+    model, _, _ = load_model("tiny", dtype=getattr(torch, dtype))
+    runner = ModelRunner.build(model, num_kv_blocks=16, num_ssm_slots=1, dtype=getattr(torch, dtype))
     seq = SequenceState(request_id=0)
     runner.pools.admit(seq)
     rows = [runner.prefill_chunk(seq, prompt, 0, len(prompt), True)]              # [V]
@@ -124,7 +128,8 @@ def test_logprobs_equal_engine_log_softmax(api_server, tokenizer):
         "SELECT output_tokens FROM requests WHERE status='finished' AND features LIKE '%\"logprobs\":3%'"),
         "the logprobs request row")
     output = json.loads(row[-1]["output_tokens"])
-    expected = engine_logprobs(tokenizer.encode(PROMPT), output)
+    dtype = json.loads(api_server.rows("SELECT config FROM runs")[0]["config"])["dtype"]
+    expected = engine_logprobs(tokenizer.encode(PROMPT), output, dtype)
     assert len(lp.token_logprobs) == 6
     for got, token, top, want in zip(lp.token_logprobs, output, lp.top_logprobs, expected):
         assert got == pytest.approx(want[token].item(), abs=1e-4)

@@ -6,7 +6,7 @@ import openai
 import pytest
 
 from api_server_helpers import started_server
-from serve_process import stop
+from serve_process import stop, wait_for
 from telemetry import events as ev
 
 
@@ -23,8 +23,11 @@ def test_model_name_and_whole_prompt_chunk(kimi_server):
     assert [m.id for m in client.models.list().data] == ["tiny-kimi"]
     done = client.completions.create(model="tiny-kimi", prompt="x" * 120, max_tokens=5, temperature=0)
     assert done.model == "tiny-kimi" and done.usage.completion_tokens >= 1
-    rows = kimi_server.rows("SELECT cap_rule, length, is_last FROM chunks")
-    assert any(r["cap_rule"] == ev.CAP_WHOLE_PROMPT and r["length"] > 32 and r["is_last"] for r in rows)
+    # The writer commits every ~100 ms: the reply can reach us before the chunk row is in the store.
+    rows = wait_for(lambda: [r for r in kimi_server.rows("SELECT cap_rule, length, is_last FROM chunks")
+                             if r["cap_rule"] == ev.CAP_WHOLE_PROMPT and r["length"] > 32 and r["is_last"]],
+                    "the whole-prompt chunk row")
+    assert rows
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="tiny", prompt="hi", max_tokens=2)
 

@@ -10,6 +10,7 @@ from collections import deque
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from engine.__main__ import main
 from engine.model.loader import load_model
@@ -68,8 +69,10 @@ def direct_run(recorded, flips: dict) -> dict[int, list[int]]:
     """The flipped config straight through a Scheduler, written independently of engine.replay:
     arrivals and lever changes at their recorded ticks, the flip winning, every request to its end,
     except those the recording cut short (cancelled at shutdown): they end where the recording did."""
-    model, _, _ = load_model("tiny")
-    runner = ModelRunner.build(model, num_kv_blocks=recorded.config["kv_blocks"],
+    # The recording's dtype: ``--dtype auto`` is bf16 on a CPU with native bf16 multiplies.
+    dtype = getattr(torch, recorded.config["dtype"])
+    model, _, _ = load_model("tiny", dtype=dtype)
+    runner = ModelRunner.build(model, num_kv_blocks=recorded.config["kv_blocks"], dtype=dtype,
                                num_ssm_slots=recorded.config["ssm_slots"], block_size=recorded.config["block_size"])
     sched = Scheduler(runner, defaults().replace(**{**recorded.start_levers, **flips}),
                       run_seed=recorded.config["seed"])
