@@ -1,6 +1,7 @@
 """What this CPU is and which dtype fits it: read from /proc/cpuinfo, decided by a pure function."""
 from __future__ import annotations
 
+import os
 import platform
 
 # bf16 pays off where the CPU multiplies bf16 natively: AMX tiles or AVX512-BF16 dot products.
@@ -8,6 +9,14 @@ import platform
 # weight bytes do not buy back the conversions.
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")
+# A test hook: CHUNKSCOPE_ASSUME_CPU=amx makes ``auto`` resolve as it would on a Sapphire Rapids
+# Xeon, =avx2 as on an AVX2-only EPYC, so one machine exercises both defaults (.ci/run uses it).
+# It changes only the dtype choice, never which kernels run.
+ASSUME_CPU_ENV = "CHUNKSCOPE_ASSUME_CPU"
+ASSUMED_FLAGS = {
+    "amx": {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"},
+    "avx2": {"avx2", "fma"},
+}
 
 
 def _cpuinfo_field(name: str) -> str | None:
@@ -28,6 +37,22 @@ def cpu_flags() -> set[str]:
     return set((_cpuinfo_field("flags") or "").split())
 
 
+def assumed_cpu() -> str | None:
+    """The CPU kind the test hook stands in for, or None; an unknown value is an error, not ignored."""
+    kind = os.environ.get(ASSUME_CPU_ENV, "").strip().lower()
+    if not kind:
+        return None
+    if kind not in ASSUMED_FLAGS:
+        raise ValueError(f"{ASSUME_CPU_ENV} must be one of {', '.join(ASSUMED_FLAGS)}, got {kind!r}")
+    return kind
+
+
+def dtype_flags() -> set[str]:
+    """The flags ``auto`` decides on: the hook's stand-in CPU where it is set, else this CPU's."""
+    kind = assumed_cpu()
+    return set(ASSUMED_FLAGS[kind]) if kind else cpu_flags()
+
+
 def default_dtype(flags: set[str]) -> str:
     """'bfloat16' on a CPU with native bf16 multiplies (AMX or AVX512-BF16), else 'float32'."""
     return "bfloat16" if any(flag in flags for flag in BF16_FLAGS) else "float32"
@@ -41,7 +66,7 @@ def resolve_dtype(choice: str, flags: set[str] | None = None, device: str = "cpu
         return choice
     if not device.startswith("cpu"):
         return "float32"
-    return default_dtype(cpu_flags() if flags is None else flags)
+    return default_dtype(dtype_flags() if flags is None else flags)
 
 
 def isa_summary(flags: set[str]) -> str:
