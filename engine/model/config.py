@@ -1,6 +1,7 @@
 """The Qwen3.5 text configuration, read from an HF ``config.json`` and checked."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, asdict
 from typing import Any
 
@@ -76,8 +77,22 @@ class ModelConfig(HybridLayers):
                      "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
                      "linear_conv_kernel_dim"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if not _is_int(value) or value <= 0:
                 raise ConfigError(f"config field {name} must be a positive integer, got {value!r}")
+        if not _is_int(self.max_position_embeddings) or self.max_position_embeddings <= 0:
+            raise ConfigError(f"config field max_position_embeddings must be a positive integer, "
+                              f"got {self.max_position_embeddings!r}")
+        for name in ("rms_norm_eps", "rope_theta", "partial_rotary_factor"):
+            value = getattr(self, name)
+            if not _is_number(value) or not 0 < value < math.inf:
+                raise ConfigError(f"config field {name} must be a positive number, got {value!r}")
+        # A string "false" is truthy: it would tie the LM head to the embeddings without a word.
+        for name in ("attention_bias", "tie_word_embeddings", "mtp_use_dedicated_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"config field {name} must be true or false, got {getattr(self, name)!r}")
+        if self.eos_token_id is not None and (not _is_int(self.eos_token_id) or self.eos_token_id < 0):
+            raise ConfigError(f"config field eos_token_id must be a token id (an integer >= 0), "
+                              f"got {self.eos_token_id!r}")
         if len(self.layer_types) != self.num_hidden_layers:
             raise ConfigError(f"config field layer_types has {len(self.layer_types)} entries, "
                               f"num_hidden_layers is {self.num_hidden_layers}")
@@ -88,7 +103,7 @@ class ModelConfig(HybridLayers):
             raise ConfigError("config field num_attention_heads must be a multiple of num_key_value_heads")
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ConfigError("config field linear_num_value_heads must be a multiple of linear_num_key_heads")
-        if not isinstance(self.mtp_num_hidden_layers, int) or self.mtp_num_hidden_layers < 0:
+        if not _is_int(self.mtp_num_hidden_layers) or self.mtp_num_hidden_layers < 0:
             raise ConfigError(f"config field mtp_num_hidden_layers must be an integer >= 0, "
                               f"got {self.mtp_num_hidden_layers!r}")
         if self.mtp_use_dedicated_embeddings:
@@ -98,7 +113,7 @@ class ModelConfig(HybridLayers):
             raise ConfigError(f"config field hidden_act must be 'silu', got {self.hidden_act!r}")
         if self.is_moe:
             for name in MOE_FIELDS:
-                if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                if not _is_int(getattr(self, name)) or getattr(self, name) <= 0:
                     raise ConfigError(f"config field {name} must be a positive integer, got {getattr(self, name)!r}")
             if self.num_experts_per_tok > self.num_experts:
                 raise ConfigError(f"config field num_experts_per_tok ({self.num_experts_per_tok}) exceeds "
@@ -147,6 +162,8 @@ class ModelConfig(HybridLayers):
     def from_hf_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
         """Read a ``qwen3_5_text`` / ``qwen3_5_moe_text`` config, or the ``text_config`` of a
         ``qwen3_5`` / ``qwen3_5_moe`` one."""
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source}: must hold a JSON object, got {type(raw).__name__}")
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(f"{source}: unknown architecture model_type={model_type!r}; "
@@ -158,6 +175,8 @@ class ModelConfig(HybridLayers):
                 raise ConfigError(f"{source}: model_type {model_type!r} needs a text_config object")
             text = {"tie_word_embeddings": raw.get("tie_word_embeddings", False), **text}
         rope = text.get("rope_parameters") or {}
+        if not isinstance(rope, dict):
+            raise ConfigError(f"{source}: rope_parameters must be an object, got {rope!r}")
         rope_type = rope.get("rope_type", "default")
         if rope_type != "default":
             raise ConfigError(f"{source}: rope_parameters.rope_type {rope_type!r} is not supported")
@@ -170,9 +189,9 @@ class ModelConfig(HybridLayers):
                 kwargs[name] = text[name]
         kwargs.pop("eos_token_id", None)
         if "rope_theta" in rope:
-            kwargs["rope_theta"] = float(rope["rope_theta"])
-        kwargs["partial_rotary_factor"] = float(rope.get("partial_rotary_factor",
-                                                         text.get("partial_rotary_factor", 0.25)))
+            kwargs["rope_theta"] = _float_field(source, "rope_parameters.rope_theta", rope["rope_theta"])
+        kwargs["partial_rotary_factor"] = _float_field(
+            source, "partial_rotary_factor", rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)))
         if model_type in MOE_MODEL_TYPES:
             missing = [name for name in MOE_FIELDS if name not in kwargs]
             if missing:
@@ -187,12 +206,22 @@ class ModelConfig(HybridLayers):
                    if name not in kwargs]
         if missing:
             raise ConfigError(f"{source}: missing field(s) {', '.join(missing)}")
-        kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
+        if "head_dim" not in kwargs:
+            hidden, heads = kwargs["hidden_size"], kwargs["num_attention_heads"]
+            if not (_is_int(hidden) and _is_int(heads) and heads > 0):
+                raise ConfigError(f"{source}: head_dim is absent and cannot be derived from hidden_size "
+                                  f"{hidden!r} / num_attention_heads {heads!r} (positive integers)")
+            kwargs["head_dim"] = hidden // heads
+        if kwargs.get("layer_types") is not None and not isinstance(kwargs["layer_types"], (list, tuple)):
+            raise ConfigError(f"{source}: layer_types must be a list, got {kwargs['layer_types']!r}")
         for name, default in (("linear_num_key_heads", 16), ("linear_num_value_heads", 32),
                               ("linear_key_head_dim", 128), ("linear_value_head_dim", 128)):
             kwargs.setdefault(name, default)
         if kwargs.get("layer_types") is None:
-            interval = int(text.get("full_attention_interval", 4))
+            interval = text.get("full_attention_interval", 4)
+            if not _is_int(interval) or interval <= 0 or not _is_int(kwargs["num_hidden_layers"]):
+                raise ConfigError(f"{source}: full_attention_interval must be a positive integer (with an "
+                                  f"integer num_hidden_layers), got {interval!r}")
             kwargs["layer_types"] = tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention"
                                           for i in range(kwargs["num_hidden_layers"]))
         try:
@@ -201,3 +230,18 @@ class ModelConfig(HybridLayers):
             raise ConfigError(f"{source}: {err}") from None
         except TypeError as err:
             raise ConfigError(f"{source}: {err}") from None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _float_field(source: str, name: str, value: Any) -> float:
+    """A config.json number as a float; anything else is a ConfigError naming the field."""
+    if not _is_number(value):
+        raise ConfigError(f"{source}: {name} must be a number, got {value!r}")
+    return float(value)
