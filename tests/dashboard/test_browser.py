@@ -49,14 +49,28 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+try:
+    from playwright.sync_api import Error as _PlaywrightError   # TimeoutError is a subclass
+except ImportError:                                              # the tests skip without playwright
+    _PlaywrightError = RuntimeError
+
+
 def _wait_for(predicate, timeout_s: float, what: str):
+    """Poll ``predicate`` until it is truthy. A playwright call inside it that times
+    out (a rerun replaced the element, a loaded CI machine is slow) is one failed
+    poll, not the test's end: only ``timeout_s`` decides that."""
     deadline = time.monotonic() + timeout_s
+    last_error = None
     while time.monotonic() < deadline:
-        value = predicate()
+        try:
+            value = predicate()
+        except _PlaywrightError as error:
+            value, last_error = None, error
         if value:
             return value
         time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+    detail = f" (last browser error: {str(last_error).splitlines()[0]})" if last_error else ""
+    raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}{detail}")
 
 
 def _count(db: Path, sql: str, params=()) -> int:

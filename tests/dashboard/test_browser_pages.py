@@ -109,7 +109,8 @@ def test_a_click_on_a_forward_opens_its_request(browser_on_real_run, real_run_di
         assert params["request"] == [str(point["request"])]
         assert params["run"] == [str(real_run_dir.one("SELECT MAX(run_id) FROM runs"))]
         search = page.get_by_label("search request ids")
-        _wait_for(lambda: search.input_value() == str(point["request"]), 20, "the search box to hold the id")
+        _wait_for(lambda: search.input_value(timeout=2_000) == str(point["request"]), 60,
+                  "the search box to hold the id")
         page.get_by_text(re.compile(r"^1 requests shown")).first.wait_for(timeout=20_000)
         assert page.locator('[data-testid="stException"]').count() == 0
     finally:

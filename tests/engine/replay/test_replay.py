@@ -65,10 +65,19 @@ def replayed(recorded):
     return replay_run(recorded, model="tiny")
 
 
+CUT_SHORT_STATUSES = {"waiting", "prefilling", "decoding", "cancelled"}
+
+
+def cut_short(r) -> bool:
+    """The recording ended before this request could: still in flight at the stop, or cancelled."""
+    return r.status in CUT_SHORT_STATUSES or bool(r.error and r.error.startswith("cancelled:"))
+
+
 def direct_run(recorded, flips: dict) -> dict[int, list[int]]:
     """The flipped config straight through a Scheduler, written independently of engine.replay:
-    arrivals and lever changes at their recorded ticks, the flip winning, every request to its end,
-    except those the recording cut short (cancelled at shutdown): they end where the recording did."""
+    per tick, arrivals, then lever changes (the flip winning), then the cut, then one step; every
+    request runs to its end except those the recording cut short (in flight or cancelled when it
+    stopped): they end where the recording did, and one cut before its first token never samples it."""
     # The recording's dtype: ``--dtype auto`` is bf16 on a CPU with native bf16 multiplies.
     dtype = getattr(torch, recorded.config["dtype"])
     model, _, _ = load_model("tiny", dtype=dtype)
@@ -76,40 +85,52 @@ def direct_run(recorded, flips: dict) -> dict[int, list[int]]:
                                num_ssm_slots=recorded.config["ssm_slots"], block_size=recorded.config["block_size"])
     sched = Scheduler(runner, defaults().replace(**{**recorded.start_levers, **flips}),
                       run_seed=recorded.config["seed"])
-    arrivals = deque(sorted(recorded.requests, key=lambda r: (r.arrival_tick, r.arrival_ns)))
+    arrivals = deque(sorted(recorded.requests, key=lambda r: (r.arrival_tick, r.arrival_ns, r.request_id)))
     submitted = []
     changes = {}
     for change in recorded.lever_changes:
         changes.setdefault(change.tick, {})[change.name] = change.new
     recorded_tokens = recorded.output_tokens()
-    stop_after = {r.request_id: len(recorded_tokens[r.request_id]) for r in recorded.requests
-                  if r.status == "cancelled"}
+    stop_after = {r.request_id: len(recorded_tokens.get(r.request_id, [])) for r in recorded.requests
+                  if cut_short(r)}
+
+    def submit(r):
+        submitted.append(sched.submit(r.request_id, list(r.prompt_tokens), dict(r.sampling),
+                                      conversation_id=r.conversation_id, features=r.features or None,
+                                      grammar=r.grammar, grammar_ready_tick=getattr(r, "grammar_ready_tick", None)))
+
+    def cut():
+        prefilling = [sched.prefilling] if sched.prefilling is not None else []
+        for request in [*sched.active, *prefilling]:
+            if request.num_generated >= stop_after.get(request.request_id, 1 << 30):
+                sched.cancel(request.request_id, "the recording stopped here")
+        for request in [*sched.waiting, *([sched.prefilling] if sched.prefilling is not None else [])]:
+            if stop_after.get(request.request_id) == 0:   # token 0 would already be one too many
+                sched.cancel(request.request_id, "the recording stopped here")
+
     while True:
-        for request in [a for a in sched.active if a.num_generated >= stop_after.get(a.request_id, 1 << 30)]:
-            sched.cancel(request.request_id, "the recording stopped here")
         while arrivals and arrivals[0].arrival_tick <= sched.tick:
-            r = arrivals.popleft()
-            submitted.append(sched.submit(r.request_id, r.prompt_tokens, r.sampling))
-        for tick in [t for t in changes if t <= sched.tick]:
+            submit(arrivals.popleft())
+        for tick in sorted(t for t in changes if t <= sched.tick):
             sched.apply_levers(sched.levers.replace(**{**changes.pop(tick), **flips}), source="test")
+        cut()
         if sched.has_work and sched.step():
             continue
         if not arrivals:
             break
-        r = arrivals.popleft()
-        submitted.append(sched.submit(r.request_id, r.prompt_tokens, r.sampling))
+        submit(arrivals.popleft())
     sched.stop()
     return {r.request_id: r.output_tokens for r in submitted}
 
 
 def expected_first_diffs(recorded, direct: dict[int, list[int]]) -> dict[int, int | None]:
     """Per request: first index where the recording and the direct run differ (prefix only for
-    requests the SIGTERM cut short in the recording)."""
+    requests the recording cut short)."""
     out = {}
     tokens = recorded.output_tokens()
     for r in recorded.requests:
-        mine, theirs = tokens[r.request_id], direct[r.request_id]
-        if r.error and r.error.startswith("cancelled:"):
+        mine, theirs = tokens.get(r.request_id, []), direct[r.request_id]
+        if cut_short(r):
             theirs = theirs[:len(mine)]
         diff = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), None)
         if diff is None and len(mine) != len(theirs):
