@@ -5,7 +5,7 @@ the dataclass to a bounded deque: no JSON, no SQL, no lock on the hot path.
 The writer thread wakes every ``flush_interval_s`` (or as soon as
 ``max_batch`` events wait), turns events into tuples and commits them in one
 transaction per batch (``db.atomic()`` around one prepared ``executemany``
-per table; see ``_commit`` for why not ``insert_all``).
+per table; see ``store_writes.commit_events`` for why not ``insert_all``).
 
 Back-pressure, two regimes, both visible on the run row:
 - store healthy, queue full: the producer *waits* (never a silent drop); the
@@ -30,7 +30,6 @@ import collections
 import dataclasses
 import logging
 import os
-import socket
 import sqlite3
 import threading
 import time
@@ -38,14 +37,11 @@ from typing import Any
 
 import sqlite_utils
 
-from telemetry import run_totals, schema
+from telemetry import store_writes
 from telemetry.events import RunStarted
 from telemetry.wal_checkpoint import WalCheckpointer
 
 log = logging.getLogger("telemetry.writer")
-# One statement per batch: the run row's counters and its whole-run totals.
-_BATCH_UPDATE = ("UPDATE runs SET num_events = num_events + ?, writer_wait_ns = ?, num_dropped = ?, "
-                 f"{run_totals.UPDATE_SET} WHERE run_id = ?")
 
 
 class TelemetryWriteError(RuntimeError):
@@ -210,17 +206,8 @@ class TelemetryWriter:
 
     def _connection(self) -> sqlite_utils.Database:
         if self._db is None:
-            conn = sqlite3.connect(self.db_path, check_same_thread=False)
-            db = sqlite_utils.Database(conn)
-            try:
-                schema.configure_connection(db, busy_timeout_ms=self._busy_timeout_ms)
-                # After a WAL reset SQLite truncates the file back to this size.
-                db.execute(f"PRAGMA journal_size_limit={int(self._wal_limit_bytes)}")
-                schema.ensure_schema(db)
-            except BaseException:
-                conn.close()
-                raise
-            self._db = db
+            self._db = store_writes.open_store(self.db_path, busy_timeout_ms=self._busy_timeout_ms,
+                                               wal_limit_bytes=self._wal_limit_bytes)
         return self._db
 
     def _drain(self) -> bool:
@@ -265,43 +252,16 @@ class TelemetryWriter:
         return batch
 
     def _commit(self, db: sqlite_utils.Database, events: list[Any]) -> None:
-        by_class: dict[type, list[Any]] = {}
-        for event in events:
-            by_class.setdefault(type(event), []).append(event)
-        run_id = self.run_id
-        request_deltas = None
-        with db.atomic():
-            for cls, group in by_class.items():
-                codec = schema.codec_for(cls)
-                rows = [codec.encode(run_id, event) for event in group]
-                is_requests = cls.TABLE == schema.REQUESTS_TABLE
-                if is_requests:  # several states of one request in a batch: the last one wins
-                    rows = list({row[codec.columns.index("request_id")]: row for row in rows}.values())
-                    # read before the upsert replaces them: totals add new state minus stored state
-                    request_deltas = run_totals.upsert_deltas(db.conn, run_id, codec.columns, rows)
-                # executemany on a statement prepared once, not insert_all: values are
-                # already encoded, and insert_all's per-value JSON check costs ~4x
-                # (measured 27k vs 110k+ rows/s on the 2-core CI box).
-                db.conn.executemany(codec.insert_sql, rows)
-            # whole-run totals in the same transaction, so they always match the committed rows
-            deltas = run_totals.batch_deltas(by_class, request_deltas)
-            db.execute(_BATCH_UPDATE, [len(events), self.writer_wait_ns, self.num_dropped,
-                                       *run_totals.update_params(deltas), run_id])
+        store_writes.commit_events(db, self.run_id, events, writer_wait_ns=self.writer_wait_ns,
+                                   num_dropped=self.num_dropped)
 
     def _start_run(self, db: sqlite_utils.Database, command: _Command) -> None:
-        row = schema.run_row(command.payload)
-        row.update(pid=os.getpid(), hostname=socket.gethostname(), writer_wait_ns=0,
-                   num_events=0, num_dropped=0, **run_totals.zeros())
-        with db.atomic():
-            command.result = db["runs"].insert(row).last_pk
-        self.run_id = command.result
+        command.result = self.run_id = store_writes.insert_run_row(db, command.payload)
 
     def _finish(self, db: sqlite_utils.Database, status: str) -> None:
         if self.run_id is not None:
-            with db.atomic():
-                db.execute("UPDATE runs SET status = ?, finished_at = ?, writer_wait_ns = ?, num_dropped = ?, "
-                           "writer_error = ? WHERE run_id = ?",
-                           [status, time.time(), self.writer_wait_ns, self.num_dropped, self.last_error, self.run_id])
+            store_writes.finish_run_row(db, self.run_id, status, writer_wait_ns=self.writer_wait_ns,
+                                        num_dropped=self.num_dropped, last_error=self.last_error)
         self._checkpointer.run(db.conn, mode="TRUNCATE")
         db.close()
         self._db = None

@@ -49,7 +49,7 @@ VETTED = {
     ("telemetry/wal_checkpoint.py", "mode"): "PASSIVE or TRUNCATE, chosen in WalCheckpointer.run",
     ("telemetry/run_totals.py", "_STORED_COLUMNS"): "join of REQUEST_COLUMNS (constant)",
     ("telemetry/run_totals.py", "marks"): "'?' marks only, one per bound request id",
-    ("telemetry/writer.py", "run_totals.UPDATE_SET"): "'col = col + ?' over the TOTALS column constants",
+    ("telemetry/store_writes.py", "run_totals.UPDATE_SET"): "'col = col + ?' over the TOTALS column constants",
     ("telemetry/run_totals.py", "names"): "'col = ?' over the TOTALS column constants",
     ("telemetry/run_totals.py", "aggregates"): "the TOTALS aggregate constants",
     ("telemetry/run_totals.py", "table"): "the TOTALS table-name constants",
