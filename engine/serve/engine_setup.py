@@ -16,7 +16,7 @@ import torch
 
 from engine.cache.kv_options import budget_bytes, kv_quant_config
 from engine.model.compiled_decode import resolve_compile, use_persistent_cache
-from engine.model.cpu_features import assumed_cpu, cpu_flags, isa_summary, resolve_dtype
+from engine.model.cpu_features import assumed_cpu, cpu_flags, cpu_model, isa_summary, resolve_dtype
 from engine.model.embedded import EMBEDDED_MODELS, checkpoint_dir_of  # noqa: F401  (callers import it here)
 from engine.model.fault import ForwardFault
 from engine.model.loader import load_model
@@ -101,7 +101,7 @@ def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: Lev
                           machine_rates=rates)
     engine_config = {"kv_blocks": kv_blocks, "block_size": BLOCK_SIZE, "ssm_slots": ssm_slots,
                      "device": device, "dtype": str(dtype).removeprefix("torch."), "seed": seed,
-                     "dtype_choice": dtype_choice, "cpu_isa": isa_summary(cpu_flags()),
+                     "dtype_choice": dtype_choice, "cpu_model": cpu_model(), "cpu_isa": isa_summary(cpu_flags()),
                      **({"dtype_assumed_cpu": assumed_cpu()} if assumed_cpu() else {}),
                      "prefix_cache": prefix_cache, "threads": torch.get_num_threads(),
                      **{k: v for k, v in kv_cache.items() if v is not None},

@@ -152,6 +152,10 @@ def test_real_runs_compare_metrics(real_app, real_run_dir):
     assert "**1 run**" in texts(at)
     listing = frame_by_key(at, "runs_table")
     assert list(listing["status"]) == ["finished"]
+    # The dtype ``auto`` resolved to once, at the start, and the CPU it ran on (issue 26).
+    config = json.loads(rr.one("SELECT config FROM runs"))
+    assert list(listing["dtype"]) == [config["dtype"]] and config["dtype"] in ("float32", "bfloat16")
+    assert listing["cpu"].iloc[0].startswith(config["cpu_model"]) and list(listing["failure reason"]) == [None]
     compare = at.dataframe[1].value
     column = compare.columns[0]
     assert compare.loc["preemptions", column] == rr.one("SELECT COUNT(*) FROM preemptions")
