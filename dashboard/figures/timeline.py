@@ -2,7 +2,7 @@
 
 Lanes, top to bottom: ``events`` (preemption, lever-change and KV quantization state markers),
 ``scheduler`` (one bar per forward, coloured by path), ``roofline`` (each
-forward's share of its roofline, red 0% to green 100%), then one lane per
+forward's share of its roofline, on a log scale from 1% to 100%), then one lane per
 stream (``default``, ``prefill``, ``secondary``) with record / wait / sync
 markers, GPU-timed intervals and record -> wait links; under expert
 parallelism one lane per rank below them (``rank_lanes.py``).
@@ -35,9 +35,14 @@ from dashboard.figures.rank_lanes import empty_rank_forwards, rank_lane_traces
 LANES = ("events", "scheduler", "roofline", "default", "prefill", "secondary")
 STREAM_LANES = ("default", "prefill", "secondary")
 WEBGL_THRESHOLD = 10_000
-# red: far from what the machine allows, green: at the roofline (resolved to stops here, as graph-object
-# validation would: the dict goes to the browser unvalidated)
-ROOFLINE_COLORSCALE = plotly.colors.get_colorscale("RdYlGn")
+# The roofline lane's colour: a sequential scale with no alarm red (dark: far from what the machine
+# allows, bright: at the roofline), over log10 of the share from 1% to 100%. A small model on a CPU is
+# overhead-bound (dispatch and Python time dwarf its few MFLOPs), so 2-7% is a healthy tiny run, and a
+# red-to-green scale painted every one of its bars as an alarm (issue 26); on a log scale a forward far
+# from its neighbours stands out at any level. (Resolved to stops here, as graph-object validation
+# would: the dict goes to the browser unvalidated.)
+ROOFLINE_COLORSCALE = plotly.colors.get_colorscale("Viridis")
+ROOFLINE_SHARE_TICKS = (0.01, 0.03, 0.1, 0.3, 1.0)
 # A constant uirevision keeps the user's zoom / pan across fragment refreshes.
 TIMELINE_UIREVISION = "chunkscope-live-timeline"
 
@@ -119,15 +124,26 @@ def _roofline_trace(forwards: pd.DataFrame, webgl: bool) -> list:
         return []
     end = rows["end_ms"] if "end_ms" in rows.columns else rows["start_ms"] + rows["dur_ms"]
     share = rows["roofline_share"].to_numpy(dtype=float)
+    low, high = ROOFLINE_SHARE_TICKS[0], ROOFLINE_SHARE_TICKS[-1]
     return [dict(
         type="scattergl" if webgl else "scatter", name="roofline share",
         x=((rows["start_ms"] + end) / 2).to_numpy(dtype=float),
         y=np.full(len(rows), LANE_Y["roofline"]), mode="markers", customdata=rows[["path"]].astype(str).to_numpy(),
-        marker={"symbol": "square", "size": 10, "color": share, "colorscale": ROOFLINE_COLORSCALE,
-                "cmin": 0.0, "cmax": 1.0, "colorbar": {"title": {"text": "roofline"}, "tickformat": ".0%",
-                                                        "len": 0.5, "thickness": 10}},
-        hovertemplate="%{customdata[0]} forward reached %{marker.color:.1%} of its roofline<extra></extra>",
+        text=[f"{value:.1%}" for value in share],
+        marker={"symbol": "square", "size": 10, "color": roofline_color_values(share),
+                "colorscale": ROOFLINE_COLORSCALE, "cmin": float(np.log10(low)), "cmax": float(np.log10(high)),
+                "colorbar": {"title": {"text": "roofline"}, "len": 0.5, "thickness": 10,
+                             "tickvals": [float(np.log10(t)) for t in ROOFLINE_SHARE_TICKS],
+                             "ticktext": [f"{t:.0%}" for t in ROOFLINE_SHARE_TICKS]}},
+        hovertemplate="%{customdata[0]} forward reached %{text} of its roofline<extra></extra>",
     )]
+
+
+def roofline_color_values(share: np.ndarray) -> np.ndarray:
+    """The lane's colour values: log10 of each share, held to the scale's 1%..100% (a share above 1
+    is a probe that caught the machine in a slow moment; it reads as at the roofline)."""
+    low, high = ROOFLINE_SHARE_TICKS[0], ROOFLINE_SHARE_TICKS[-1]
+    return np.log10(np.clip(share, low, high))
 
 
 def _stream_traces(stream_events: pd.DataFrame, links: pd.DataFrame) -> list:
