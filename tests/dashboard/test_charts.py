@@ -180,7 +180,7 @@ def test_timeline_roofline_lane_colours_each_forward_by_its_share():
 def test_a_healthy_overhead_bound_run_is_not_painted_as_an_alarm():
     """A tiny model's forwards reach 2-7% of the roofline (issue 26): no colour of the lane's scale is
     an alarm red, and 2% and 7% sit in the scale's middle half, apart from each other."""
-    from dashboard.figures.timeline import ROOFLINE_COLORSCALE, roofline_color_values
+    from dashboard.figures.roofline_lane import ROOFLINE_COLORSCALE, roofline_color_values
 
     import plotly.colors
 

@@ -65,7 +65,7 @@ def test_real_live_counters_timeline_markers(real_app, real_run_dir):
                                             "WHERE path != 'idle' ORDER BY tick") if share is not None]
     assert len(shares) > 0.9 * sum(by_path.values()) and all(0 < share for share in shares)
     assert names["roofline share"]["marker"]["color"] == pytest.approx(
-        np.log10(np.clip(shares, 0.01, 1.0)).tolist())   # log-scaled colour (timeline.roofline_color_values)
+        np.log10(np.clip(shares, 0.01, 1.0)).tolist())   # log-scaled colour (roofline_lane.roofline_color_values)
     assert names["roofline share"]["text"] == [f"{share:.1%}" for share in shares]
     latency = at.dataframe[0].value.set_index("metric")
     assert latency.loc["TTFT", "count"] == rr.one("SELECT COUNT(*) FROM requests WHERE first_token_ns IS NOT NULL")
