@@ -164,3 +164,14 @@ def test_the_near_tie_tolerance_follows_the_dtype(dtype, gap, verdict):
     assert cause["verdict"] == verdict and cause["top2_margin"] == pytest.approx(gap, rel=1e-3)
     flipped = divergence.classify({**first, "field": "tick.path"}, None, dtype, flipped=True)
     assert flipped["kind"] == "decision" and flipped["verdict"] == "flip"
+
+
+def test_a_flipped_replay_names_the_flip_as_the_cause(served, capsys):
+    """Through the CLI: a KV cap the recording never had changes the scheduling first."""
+    status, out, err = run_cli(capsys, str(served.bundle), "--json", "--flip", "kv_blocks_cap=6")
+    assert status == 0, err
+    report = json.loads(out)
+    assert not report["decisions_identical"]
+    assert report["divergence_cause"]["kind"] == "decision" and report["divergence_cause"]["verdict"] == "flip"
+    status, out, _ = run_cli(capsys, str(served.bundle), "--flip", "kv_blocks_cap=6")
+    assert status == 0 and "cause:     decision differs, flip: the first difference is a scheduling decision" in out
