@@ -78,6 +78,9 @@ EVENT_EP_FORWARD = "ep_forward"
 # ``GenericEvent.kind`` of a decode step compiled during a tick (detail: bucket, seconds, graphs, recompile,
 # and the running totals num_graphs / num_recompiles): the recompile counter, never one per tick.
 EVENT_DECODE_COMPILE = "decode_compile"
+# ``GenericEvent.kind`` of the reason a run ended ``failed`` (detail: reason), e.g. expert-parallel ranks
+# that disagreed on their dtype at the start handshake, or a collective that failed mid-run.
+EVENT_RUN_FAILED = "run_failed"
 
 
 @dataclass

@@ -100,6 +100,15 @@ def lever_timeline(run: dict[str, Any], changes: list[dict[str, Any]]) -> dict[s
     return {"start": dict(run.get("levers") or {}), "changes": [{k: c.get(k) for k in keys} for c in ordered]}
 
 
+NUMERICS_KEYS = ("dtype", "dtype_choice", "cpu_model", "cpu_isa", "dtype_assumed_cpu")
+
+
+def run_numerics(config: dict[str, Any]) -> dict[str, Any]:
+    """What the run's numbers depend on besides the weights: the dtype it computed in (and the
+    ``--dtype`` choice it came from) and the CPU it ran on. ``engine replay`` reads ``dtype`` back."""
+    return {key: config.get(key) for key in NUMERICS_KEYS if config.get(key) is not None}
+
+
 def build_manifest(*, run: dict[str, Any], lever_changes: list[dict[str, Any]], extent: dict[str, Any],
                    since_ns: int | None, until_ns: int | None, counts: dict[str, int],
                    files: dict[str, dict[str, Any]], run_dir: Path, bundle_format: int,
@@ -115,6 +124,7 @@ def build_manifest(*, run: dict[str, Any], lever_changes: list[dict[str, Any]], 
                 "started_at": run.get("started_at"), "finished_at": run.get("finished_at")},
         "versions": {"run": run.get("versions") or {}, "exporter": exporter_versions()},
         "device": run.get("device"),
+        "numerics": run_numerics(run.get("config") or {}),
         "engine_config": run.get("config") or {},
         "model_config": run.get("model_config") or {},
         "checkpoint_hash": run.get("checkpoint_hash") or None,

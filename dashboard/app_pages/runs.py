@@ -73,8 +73,9 @@ def render(ctx: RunContext) -> None:
     st.plotly_chart(charts.runs_compare_figure(long.dropna()), key="runs_latency", width="stretch")
     st.subheader("Roofline share per path")
     st.caption("Each forward's roofline (the least time this machine allows: FLOPs at its measured GEMM rate or "
-               f"bytes at its read bandwidth, whichever is longer) over its measured time; newest "
-               f"{queries_runs.ROOFLINE_RECENT_TICKS:,} forwards of each run.")
+               f"bytes at its read bandwidth, whichever is longer) over its measured time, with the GEMM rate "
+               f"measured in the run's dtype; newest {queries_runs.ROOFLINE_RECENT_TICKS:,} forwards of each run. "
+               f"A small model is overhead-bound: a few percent is a healthy tiny run.")
     roofline = pd.concat([data.roofline_by_path(ctx.db, run_id, _version(ctx, run_id)).assign(run=f"run {run_id}")
                           for run_id in dict.fromkeys([a, b])], ignore_index=True)
     if roofline.empty:

@@ -2,7 +2,7 @@
 
 Lanes, top to bottom: ``events`` (preemption, lever-change and KV quantization state markers),
 ``scheduler`` (one bar per forward, coloured by path), ``roofline`` (each
-forward's share of its roofline, red 0% to green 100%), then one lane per
+forward's share of its roofline, on a log scale from 1% to 100%), then one lane per
 stream (``default``, ``prefill``, ``secondary``) with record / wait / sync
 markers, GPU-timed intervals and record -> wait links; under expert
 parallelism one lane per rank below them (``rank_lanes.py``).
@@ -25,19 +25,16 @@ import functools
 
 import numpy as np
 import pandas as pd
-import plotly.colors
 import plotly.graph_objects as go
 import plotly.io as pio
 
 from dashboard.figures.palette import FALLBACK_COLOR, KIND_COLORS, KIND_SYMBOLS, LEVER_COLOR, PATH_COLORS, path_color
 from dashboard.figures.rank_lanes import empty_rank_forwards, rank_lane_traces
+from dashboard.figures.roofline_lane import roofline_trace
 
 LANES = ("events", "scheduler", "roofline", "default", "prefill", "secondary")
 STREAM_LANES = ("default", "prefill", "secondary")
 WEBGL_THRESHOLD = 10_000
-# red: far from what the machine allows, green: at the roofline (resolved to stops here, as graph-object
-# validation would: the dict goes to the browser unvalidated)
-ROOFLINE_COLORSCALE = plotly.colors.get_colorscale("RdYlGn")
 # A constant uirevision keeps the user's zoom / pan across fragment refreshes.
 TIMELINE_UIREVISION = "chunkscope-live-timeline"
 
@@ -104,30 +101,6 @@ def _forward_segments(segments: pd.DataFrame) -> list[dict]:
             legendgroup=str(path),
         ))
     return traces
-
-
-def _roofline_trace(forwards: pd.DataFrame, webgl: bool) -> list:
-    """One marker per forward (or time bucket) in the roofline lane, coloured by its roofline share.
-
-    The share is roofline time / measured time (engine/model/roofline.py): how close that
-    forward came to what the machine allows. Forwards without a recorded roofline are left out.
-    """
-    if "roofline_share" not in forwards.columns:
-        return []
-    rows = forwards[forwards["roofline_share"].notna()]
-    if rows.empty:
-        return []
-    end = rows["end_ms"] if "end_ms" in rows.columns else rows["start_ms"] + rows["dur_ms"]
-    share = rows["roofline_share"].to_numpy(dtype=float)
-    return [dict(
-        type="scattergl" if webgl else "scatter", name="roofline share",
-        x=((rows["start_ms"] + end) / 2).to_numpy(dtype=float),
-        y=np.full(len(rows), LANE_Y["roofline"]), mode="markers", customdata=rows[["path"]].astype(str).to_numpy(),
-        marker={"symbol": "square", "size": 10, "color": share, "colorscale": ROOFLINE_COLORSCALE,
-                "cmin": 0.0, "cmax": 1.0, "colorbar": {"title": {"text": "roofline"}, "tickformat": ".0%",
-                                                        "len": 0.5, "thickness": 10}},
-        hovertemplate="%{customdata[0]} forward reached %{marker.color:.1%} of its roofline<extra></extra>",
-    )]
 
 
 def _stream_traces(stream_events: pd.DataFrame, links: pd.DataFrame) -> list:
@@ -240,7 +213,7 @@ def timeline_dict(
         traces = _forward_segments(as_segments)
     else:
         traces = _forward_bars(forwards)
-    traces += _roofline_trace(forwards, webgl)
+    traces += roofline_trace(forwards, webgl, LANE_Y["roofline"])
     traces += _stream_traces(stream_events, links) + _marker_traces(preemptions, lever_changes)
     traces += _kv_quant_traces(kv_quant_changes)
     # Expert parallelism: one lane per rank below the stream lanes (dashboard/figures/rank_lanes.py).

@@ -27,10 +27,35 @@ def shown_status(status: str, pid, hostname) -> str:
 
 
 def list_runs(db: Path) -> pd.DataFrame:
+    """Every run, newest first, with its dtype, the CPU it ran on and, for a failed run, why."""
     runs = query_df(db, f"SELECT {', '.join(RUN_COLUMNS)} FROM runs ORDER BY run_id DESC")
     if len(runs):
         runs["status"] = [shown_status(s, p, h) for s, p, h in zip(runs["status"], runs["pid"], runs["hostname"])]
+    numerics = [run_numerics(config) for config in runs["config"]]
+    runs["dtype"] = [n["dtype"] for n in numerics]
+    runs["cpu"] = [n["cpu"] for n in numerics]
+    runs["failure reason"] = [failure_reason(db, int(r)) if status == "failed" else None
+                              for r, status in zip(runs["run_id"], runs["status"])]
     return runs
+
+
+def run_numerics(config_json: str | None) -> dict[str, str | None]:
+    """The dtype a run computed in and the CPU it ran on (model name and ISA flags), from its config;
+    None for a run recorded before the engine wrote them."""
+    try:
+        config = json.loads(config_json) if config_json else {}
+    except ValueError:
+        config = {}
+    cpu = " · ".join(str(config[k]) for k in ("cpu_model", "cpu_isa") if config.get(k)) or None
+    return {"dtype": config.get("dtype"), "cpu": cpu}
+
+
+def failure_reason(db: Path, run_id: int) -> str | None:
+    """What the engine said when the run failed (its ``run_failed`` event), if it said anything."""
+    row = query_one(db, "SELECT detail FROM events WHERE run_id = ? AND kind = ? ORDER BY id DESC LIMIT 1",
+                    [run_id, ev.EVENT_RUN_FAILED])
+    detail = json_value(row["detail"]) if row else None
+    return detail.get("reason") if isinstance(detail, dict) else None
 
 
 def run_row(db: Path, run_id: int) -> dict | None:

@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from engine.cli.kv_cache_args import add_kv_cache_args, kv_cache_options
-from engine.replay import flips as replay_flips
+from engine.replay import divergence, flips as replay_flips, run_dtype
 from engine.replay.compare import compare, text_report
 from engine.replay.rerun import load_input, recorded_kv_cache, replay_run, resolve_model
 from telemetry import cli_args
@@ -60,8 +60,12 @@ def run(args: argparse.Namespace) -> int:
     report["run_id"] = recorded.run_id
     report["lever_changes_replayed"] = replayed.lever_log
     report["notes"] = list(recorded.notes) + warnings + no_op_notes
+    report["numerics"] = run_dtype.numerics(recorded.config, replayed.dtype, replayed.device)
+    report["divergence_cause"] = divergence.explain(report, recorded, replayed.model, replayed.dtype, bool(flips))
     if args.json:
         print(json.dumps(report, default=str))
     else:
         print(text_report(report, flips=flips, notes=report["notes"]))
+        print(divergence.cause_line(report["divergence_cause"]))
+        print(run_dtype.numerics_line(report["numerics"]))
     return 0

@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import hashlib
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from engine.distributed import handshake
 from engine.model.errors import RankFailure
 
 DEFAULT_TIMEOUT_S = 10.0  # a peer that has not answered a collective by then is taken for dead
@@ -66,23 +66,18 @@ def collective(group: EPGroup, what: str):
                           f"{str(err).splitlines()[0] if str(err) else ''})") from err
 
 
-def start_fingerprint(checkpoint_hash: str, settings: dict) -> torch.Tensor:
-    """32 bytes (as int64 [32]) over the checkpoint hash and every setting ranks must share."""
-    digest = hashlib.sha256(checkpoint_hash.encode() + repr(sorted(settings.items())).encode()).digest()
-    return torch.tensor(list(digest), dtype=torch.long)
-
-
 def check_start(group: EPGroup, checkpoint_hash: str, settings: dict, device: torch.device) -> None:
-    """Every rank compares its fingerprint with every other's; any difference fails the start."""
-    mine = start_fingerprint(checkpoint_hash, settings).to(device)
+    """Every rank all-gathers every rank's fixed-size handshake (``handshake.py``); any field that
+    differs fails the start on every rank, with the fields and each rank's value in the message."""
+    mine = handshake.encode(checkpoint_hash, settings).to(device)
     every = [torch.empty_like(mine) for _ in range(group.size)]
     with collective(group, "start check"):
         dist.all_gather(every, mine)
-    differing = [rank for rank, theirs in enumerate(every) if not torch.equal(theirs, mine)]
+    differing = handshake.disagreements([theirs.tolist() for theirs in every])
     if differing:
-        raise StartMismatch(f"expert-parallel rank {group.rank}: ranks {differing} were started with a different "
-                            f"checkpoint or settings (checkpoint hash {checkpoint_hash[:12]}..., {settings}); "
-                            f"every rank needs the same checkpoint files, --ep, --kv-blocks, --ssm-slots and dtype")
+        raise StartMismatch(f"expert-parallel start check on rank {group.rank}: the ranks were started with a "
+                            f"different checkpoint or settings ({'; '.join(differing)}); every rank needs the "
+                            f"same checkpoint files, --ep, --kv-blocks, --ssm-slots and --dtype")
 
 
 def shutdown() -> None:

@@ -144,7 +144,8 @@ def start_leader(model, runner, spec: WorkerArgs, checkpoint_hash: str,
     try:
         group = init_group(0, spec.size, spec.timeout_s, spec.device)
         check_start(group, checkpoint_hash, start_settings(spec.size, spec.kv_blocks, spec.ssm_slots,
-                                                           spec.block_size, spec.dtype, spec.exchange), spec.device)
+                                                           spec.block_size, spec.dtype, spec.exchange,
+                                                           model.config.hidden_size), spec.device)
     except BaseException:
         for child in children:
             child.kill()

@@ -41,13 +41,17 @@ def run_torchrun_rank(args: argparse.Namespace, rank: int) -> int:
     """A rank > 0 started by torchrun with the serve command line: load its experts, run forwards."""
     from engine.serve.engine_setup import BLOCK_SIZE, checkpoint_hash
     from engine.model.embedded import checkpoint_dir_of
+    from engine.model.cpu_features import resolve_dtype
     from engine.model.loader import load_model
 
     device = torch.device("cuda", rank % max(torch.cuda.device_count(), 1)) if torch.cuda.is_available() \
         else torch.device("cpu")
     torch.set_num_threads(args.threads or 1)
+    # ``auto`` resolves here as on rank 0; on another kind of CPU it may not, and the start
+    # handshake then fails the run naming the dtype of each rank (pass --dtype to settle it).
+    dtype = getattr(torch, resolve_dtype(args.dtype, device=device.type))
     directory = checkpoint_dir_of(args.model)
-    model, _, _ = load_model(directory, device=device, ep_rank=rank, ep_size=args.ep)
+    model, _, _ = load_model(directory, dtype=dtype, device=device, ep_rank=rank, ep_size=args.ep)
     return run_rank(model, rank=rank, size=args.ep, kv_blocks=args.kv_blocks, ssm_slots=args.ssm_slots,
-                    block_size=BLOCK_SIZE, dtype=torch.float32, device=device, timeout_s=args.ep_timeout,
+                    block_size=BLOCK_SIZE, dtype=dtype, device=device, timeout_s=args.ep_timeout,
                     exchange=args.ep_exchange, checkpoint_hash=checkpoint_hash(directory))

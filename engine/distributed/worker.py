@@ -54,8 +54,8 @@ def run_rank(model, *, rank: int, size: int, kv_blocks: int, ssm_slots: int, blo
                                device=device, dtype=dtype)
     try:
         group = init_group(rank, size, timeout_s, device)
-        check_start(group, checkpoint_hash, start_settings(size, kv_blocks, ssm_slots, block_size, dtype, exchange),
-                    device)
+        check_start(group, checkpoint_hash, start_settings(size, kv_blocks, ssm_slots, block_size, dtype, exchange,
+                                                           model.config.hidden_size), device)
         model.attach_exchange(make_exchange(exchange, group))
         num = serve_forwards(group, model, runner, device)
         log.info("expert-parallel rank %d: stop after %d forwards", rank, num)
@@ -71,10 +71,10 @@ def run_rank(model, *, rank: int, size: int, kv_blocks: int, ssm_slots: int, blo
 
 
 def start_settings(size: int, kv_blocks: int, ssm_slots: int, block_size: int, dtype: torch.dtype,
-                   exchange: str) -> dict:
-    """What every rank must agree on besides the checkpoint."""
+                   exchange: str, hidden_size: int) -> dict:
+    """What every rank must agree on besides the checkpoint (the fields of ``handshake.FIELDS``)."""
     return {"ep": size, "kv_blocks": kv_blocks, "ssm_slots": ssm_slots, "block_size": block_size,
-            "dtype": str(dtype), "exchange": exchange}
+            "dtype": str(dtype).removeprefix("torch."), "exchange": exchange, "hidden_size": hidden_size}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -44,6 +44,9 @@ class ReplayedRun:
     tokens: list[ev.TokenEvent]
     requests: dict[int, ReplayedRequest]
     lever_log: list[dict[str, Any]]           # {"tick", "changes"} applied during the replay
+    dtype: str = "float32"                    # what the replay computed in (``run_dtype.replay_dtype``)
+    device: str = "cpu"
+    model: Any = None                         # the loaded model (``divergence.explain`` reruns a position)
 
 
 def first_row_difference(recorded: list[Any], replayed: list[Any], fields: tuple[str, ...],

@@ -32,6 +32,7 @@ from engine.model.embedded import EMBEDDED_MODELS
 from engine.model.fault import ForwardFault
 from engine.replay.compare import ReplayedRequest, ReplayedRun
 from engine.replay.record import RecordedRun, ReplayInputError, load_recorded_run
+from engine.replay.run_dtype import replay_dtype
 from engine.scheduler.request_features import CLIENT_DISCONNECTED
 from engine.scheduler.loop import CANCELLED_PREFIX
 from telemetry import events as ev
@@ -105,7 +106,9 @@ def replay_run(recorded: RecordedRun, *, model: str = "tiny", flips: dict[str, A
     device = device or config.get("device") or None
     if device and device.startswith("cuda") and not torch.cuda.is_available():
         device = "cpu"
-    dtype = getattr(torch, str(config.get("dtype", "float32")), torch.float32)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype_name = replay_dtype(config, device)   # the run's own dtype, or a one-line refusal
+    dtype = getattr(torch, dtype_name)
     levers = _lever_values(recorded.start_levers).replace(**flips)
     rows: dict[type, list] = {ev.ChunkDecision: [], ev.Tick: [], ev.TokenEvent: []}
 
@@ -127,7 +130,8 @@ def replay_run(recorded: RecordedRun, *, model: str = "tiny", flips: dict[str, A
     # From the submitted objects, in submission order (``sched.done`` holds them in end order).
     done = {r.request_id: ReplayedRequest(r.request_id, r.status, r.error, list(r.output_tokens))
             for r in submitted}
-    return ReplayedRun(rows[ev.ChunkDecision], rows[ev.Tick], rows[ev.TokenEvent], done, lever_log)
+    return ReplayedRun(rows[ev.ChunkDecision], rows[ev.Tick], rows[ev.TokenEvent], done, lever_log,
+                       dtype=dtype_name, device=device, model=setup.model)
 
 
 def drive(sched, recorded: RecordedRun, flips: dict[str, Any], *, cut_at_tick: int | None,

@@ -16,7 +16,7 @@ import torch
 
 from engine.cache.kv_options import budget_bytes, kv_quant_config
 from engine.model.compiled_decode import resolve_compile, use_persistent_cache
-from engine.model.cpu_features import assumed_cpu, cpu_flags, isa_summary, resolve_dtype
+from engine.model.cpu_features import assumed_cpu, cpu_flags, cpu_model, isa_summary, resolve_dtype
 from engine.model.embedded import EMBEDDED_MODELS, checkpoint_dir_of  # noqa: F401  (callers import it here)
 from engine.model.fault import ForwardFault
 from engine.model.loader import load_model
@@ -101,7 +101,7 @@ def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: Lev
                           machine_rates=rates)
     engine_config = {"kv_blocks": kv_blocks, "block_size": BLOCK_SIZE, "ssm_slots": ssm_slots,
                      "device": device, "dtype": str(dtype).removeprefix("torch."), "seed": seed,
-                     "dtype_choice": dtype_choice, "cpu_isa": isa_summary(cpu_flags()),
+                     "dtype_choice": dtype_choice, "cpu_model": cpu_model(), "cpu_isa": isa_summary(cpu_flags()),
                      **({"dtype_assumed_cpu": assumed_cpu()} if assumed_cpu() else {}),
                      "prefix_cache": prefix_cache, "threads": torch.get_num_threads(),
                      **{k: v for k, v in kv_cache.items() if v is not None},
@@ -114,8 +114,11 @@ def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: Lev
     if fault is not None:
         engine_config["fault_forward"] = fault.describe()
     if rates is not None:
+        # The GEMM rate is the forward's dtype's (bf16 AMX tiles run ~10x the fp32 rate): every tick's
+        # roofline is judged against the kernels its forward could use.
         engine_config["roofline_rates"] = {"gemm_gflop_s": round(rates.flops_per_s / 1e9, 2),
-                                           "read_gb_s": round(rates.bytes_per_s / 1e9, 2)}
+                                           "read_gb_s": round(rates.bytes_per_s / 1e9, 2),
+                                           "gemm_dtype": engine_config["dtype"]}
     return EngineSetup(model_name, directory, model, config, tokenizer, runner, scheduler, engine_config, roofline_s)
 
 
@@ -132,8 +135,8 @@ def log_roofline(setup: EngineSetup, log: logging.Logger) -> None:
     bad workload still fails in one line)."""
     rates = setup.engine_config.get("roofline_rates")
     if rates is not None:
-        log.info("roofline rates: square GEMM %.1f GFLOP/s, read %.1f GB/s (measured in %.2f s)",
-                 rates["gemm_gflop_s"], rates["read_gb_s"], setup.roofline_s)
+        log.info("roofline rates: square GEMM %.1f GFLOP/s in %s, read %.1f GB/s (measured in %.2f s)",
+                 rates["gemm_gflop_s"], rates.get("gemm_dtype", "float32"), rates["read_gb_s"], setup.roofline_s)
 
 
 def _compile_description(runner: ModelRunner, choice: str, settings, max_rows: int, warm_up: bool) -> dict:

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from engine.distributed import launch, serve_ranks
+from engine.distributed.group import StartMismatch
 from engine.distributed.worker import EXIT_RANK_FAILURE
 from engine.api.launch import start_api
 from engine.serve.driver import ApiInbox, LeverFile, TickDriver, TimedArrivals, submit_spec
@@ -64,9 +65,16 @@ def run(args: argparse.Namespace) -> int:
                          levers=base_levers, seed=args.seed, prefix_cache=args.prefix_cache,
                          threads=args.threads, fault=fault, kv_cache=kv_cache_options(args), dtype=args.dtype,
                          ep_size=args.ep, compile=args.compile, measure_roofline=True)
-    ep_run = serve_ranks.start(args, setup, from_torchrun, run_dir) if args.ep > 1 else None
-    feed = WorkloadFeed.from_args(args, setup)
-    log_roofline(setup, log)   # after the workload is known good: a bad one fails in one line
+    feed = WorkloadFeed.from_args(args, setup)   # a bad workload fails in one line, before any rank starts
+    ep_run, start_failure = None, None
+    if args.ep > 1:
+        try:
+            ep_run = serve_ranks.start(args, setup, from_torchrun, run_dir)
+        except (StartMismatch, RankFailure) as exc:   # the ranks disagree, or one never answered
+            start_failure = exc
+    if start_failure is not None:
+        return _fail_at_start(db_path, setup, args, feed, start_failure, lock)
+    log_roofline(setup, log)
     writer, telemetry_error = None, None
     api = start_api(args, setup, lambda: writer.num_dropped if writer is not None else 0)
     if api is not None:
@@ -122,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
     except RankFailure as exc:  # a dead or hung rank ends the whole run, never only its requests
         log.error("run failed at tick %d: %s", sched.tick, exc)
         status, exit_code = "failed", EXIT_RANK_FAILURE
+        record_failure(sched, str(exc))
     except Exception:
         log.exception("engine loop failed")
         status = "error"
@@ -141,6 +150,25 @@ def run(args: argparse.Namespace) -> int:
         if lock is not None:
             lock.close()
     return exit_code
+
+
+def record_failure(sched, reason: str) -> None:
+    """The reason a run failed, as one ``run_failed`` event (the Runs page shows it next to the status)."""
+    sched.emit(ev.GenericEvent(tick=sched.tick, t_ns=sched.now_ns(), kind=ev.EVENT_RUN_FAILED,
+                               detail={"reason": reason}))
+
+
+def _fail_at_start(db_path: Path, setup: EngineSetup, args, feed, failure: Exception, lock) -> int:
+    """The expert-parallel start failed: a run row with status ``failed`` and the reason, then exit
+    (2 for ranks started with different settings, 3 for a rank that never answered)."""
+    log.error("run failed at start: %s", failure)
+    writer = None if args.no_telemetry else _open_telemetry(db_path, setup, args, feed)[0]
+    if writer is not None:
+        record_failure(setup.scheduler, str(failure))
+        writer.close("failed")
+    if lock is not None:
+        lock.close()
+    return 2 if isinstance(failure, StartMismatch) else EXIT_RANK_FAILURE
 
 
 def _open_telemetry(db_path: Path, setup: EngineSetup, args, feed) -> tuple[TelemetryWriter | None, str | None]:

@@ -1,4 +1,5 @@
 """Figure builders: DataFrame in, Figure out; checked through the figure's JSON spec."""
+import numpy as np
 import pandas as pd
 import pytest
 from plotly_spec import spec as decode_spec
@@ -167,10 +168,29 @@ def test_timeline_roofline_lane_colours_each_forward_by_its_share():
     spec = _spec(timeline_figure(forwards, NO_STREAMS, NO_LINKS, NO_PREEMPT, NO_LEVERS))
     lane = next(t for t in spec["data"] if t["name"] == "roofline share")
     assert lane["type"] == "scatter"
-    assert lane["marker"]["color"] == [0.1, 0.5, 0.9, 0.25, 0.75]   # the forward without a roofline is left out
+    # log10 of each share (the forward without a roofline is left out); the hover says the share itself
+    assert lane["marker"]["color"] == pytest.approx(np.log10([0.1, 0.5, 0.9, 0.25, 0.75]).tolist())
+    assert lane["text"] == ["10.0%", "50.0%", "90.0%", "25.0%", "75.0%"]
     assert lane["x"][0] == 0.75 and set(lane["y"]) == {LANE_Y["roofline"]}   # mid-forward, in its own lane
-    assert lane["marker"]["cmin"] == 0 and lane["marker"]["cmax"] == 1
+    assert lane["marker"]["cmin"] == -2 and lane["marker"]["cmax"] == 0
+    assert lane["marker"]["colorbar"]["ticktext"] == ["1%", "3%", "10%", "30%", "100%"]
     assert "roofline" in spec["layout"]["yaxis"]["ticktext"]
+
+
+def test_a_healthy_overhead_bound_run_is_not_painted_as_an_alarm():
+    """A tiny model's forwards reach 2-7% of the roofline (issue 26): no colour of the lane's scale is
+    an alarm red, and 2% and 7% sit in the scale's middle half, apart from each other."""
+    from dashboard.figures.roofline_lane import ROOFLINE_COLORSCALE, roofline_color_values
+
+    import plotly.colors
+
+    for _, colour in ROOFLINE_COLORSCALE:
+        red, green, blue = plotly.colors.hex_to_rgb(colour) if colour.startswith("#") else \
+            plotly.colors.unlabel_rgb(colour)
+        assert not (red > 1.5 * green and red > 1.5 * blue), colour
+    low, high = roofline_color_values(np.array([0.02, 0.07]))
+    assert -2 + 0.25 < low < high < -0.5   # on a linear 0..100% scale both were within 7% of the bottom
+    assert roofline_color_values(np.array([0.001, 1.4])).tolist() == [-2, 0]
 
 
 def test_timeline_roofline_lane_goes_webgl_and_handles_runs_without_rooflines():

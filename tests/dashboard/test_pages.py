@@ -129,6 +129,7 @@ def test_runs_compare_and_crashed(app, run_fixture):
     assert "**2 runs**" in texts(at) and "1 crashed" in texts(at)
     listing = at.dataframe[0].value
     assert dict(zip(listing["run_id"], listing["status"])) == {1: "finished", 2: "crashed"}
+    assert {"dtype", "cpu", "failure reason"} <= set(listing.columns)   # None: the synthetic runs record none
     at.selectbox(key="runs_a").set_value(1).run()
     at.selectbox(key="runs_b").set_value(2).run()
     compare = at.dataframe[1].value

@@ -5,6 +5,9 @@ dashboard's own queries.
 """
 import json
 
+import numpy as np
+import pytest
+
 from plotly_spec import chart_with, charts, texts
 
 from dashboard.figures.timeline import TIMELINE_UIREVISION
@@ -61,7 +64,9 @@ def test_real_live_counters_timeline_markers(real_app, real_run_dir):
     shares = [share for (share,) in rr.rows("SELECT roofline_ns * 1.0 / duration_ns FROM ticks "
                                             "WHERE path != 'idle' ORDER BY tick") if share is not None]
     assert len(shares) > 0.9 * sum(by_path.values()) and all(0 < share for share in shares)
-    assert names["roofline share"]["marker"]["color"] == shares
+    assert names["roofline share"]["marker"]["color"] == pytest.approx(
+        np.log10(np.clip(shares, 0.01, 1.0)).tolist())   # log-scaled colour (roofline_lane.roofline_color_values)
+    assert names["roofline share"]["text"] == [f"{share:.1%}" for share in shares]
     latency = at.dataframe[0].value.set_index("metric")
     assert latency.loc["TTFT", "count"] == rr.one("SELECT COUNT(*) FROM requests WHERE first_token_ns IS NOT NULL")
 
@@ -152,6 +157,11 @@ def test_real_runs_compare_metrics(real_app, real_run_dir):
     assert "**1 run**" in texts(at)
     listing = frame_by_key(at, "runs_table")
     assert list(listing["status"]) == ["finished"]
+    # The dtype ``auto`` resolved to once, at the start, and the CPU it ran on (issue 26).
+    config = json.loads(rr.one("SELECT config FROM runs"))
+    assert list(listing["dtype"]) == [config["dtype"]] and config["dtype"] in ("float32", "bfloat16")
+    assert listing["cpu"].iloc[0].startswith(config["cpu_model"]) and list(listing["failure reason"]) == [None]
+    assert config["roofline_rates"]["gemm_dtype"] == config["dtype"]   # the roofline is the forward's dtype's
     compare = at.dataframe[1].value
     column = compare.columns[0]
     assert compare.loc["preemptions", column] == rr.one("SELECT COUNT(*) FROM preemptions")

@@ -66,6 +66,9 @@ def _check_failed_run(run_dir: Path, proc: subprocess.Popen, fault_at: float, bo
     assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     assert conn.execute("SELECT status FROM runs").fetchone()[0] == "failed"
     conn.close()
+    from dashboard.queries.runs import list_runs
+    reason = list_runs(run_dir / "telemetry.db")["failure reason"].iloc[0]   # what the Runs page shows
+    assert "expert-parallel" in reason, reason
     print(f"rank 0 and every rank gone {took:.2f}s after the fault")
     return stderr
 
