@@ -63,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
     setup = build_engine(args.model, kv_blocks=args.kv_blocks, ssm_slots=args.ssm_slots,
                          levers=base_levers, seed=args.seed, prefix_cache=args.prefix_cache,
                          threads=args.threads, fault=fault, kv_cache=kv_cache_options(args), dtype=args.dtype,
-                         ep_size=args.ep, compile=args.compile, measure_roofline=True)
+                         ep_size=args.ep, compile=args.compile, measure_roofline=True,
+                         numerics=args.numerics)
     ep_run = serve_ranks.start(args, setup, from_torchrun, run_dir) if args.ep > 1 else None
     feed = WorkloadFeed.from_args(args, setup)
     log_roofline(setup, log)   # after the workload is known good: a bad one fails in one line
