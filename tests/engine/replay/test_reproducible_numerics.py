@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 
+from engine.replay.rerun import load_input
 from telemetry.bundle_export import export_bundle
 
 from serve_process import REPO_ROOT, query
@@ -49,7 +50,10 @@ def bundle(request, tmp_path_factory):
     assert config["numerics"] == "reproducible" and config["dtype"] == request.param
     preempted = query(db, "SELECT count(*) AS n FROM requests WHERE error LIKE 'preempted%'")[0]["n"]
     assert preempted >= 1, "the 48-block cache must preempt for the workload to cover preemption"
-    return export_bundle(db, run_dir / "bundle.zip").path
+    path = export_bundle(db, run_dir / "bundle.zip").path
+    _recorded, manifest = load_input(str(path))
+    assert manifest["engine_config"]["numerics"] == "reproducible", "the bundle says which mode it was recorded in"
+    return path
 
 
 def _replay(bundle, *extra: str) -> dict:
