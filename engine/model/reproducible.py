@@ -129,12 +129,11 @@ def check_choice(numerics: str) -> str:
 
 def check_supported(model, *, ep_size: int, device: str) -> None:
     """Refuse, in one line, a run the mode does not cover (its ops were audited on the dense Qwen3.5 only)."""
-    from engine.model.qwen3_5 import Qwen35ForCausalLM
-    name = type(model).__name__
+    name = type(model).__name__  # by name: importing the model here would close an import cycle via the kernels
     if not str(device).startswith("cpu"):
         raise ValueError(f"--numerics reproducible runs on CPU only (device {device}): GPU kernels are not covered")
     if ep_size > 1:
         raise ValueError("--numerics reproducible does not cover expert parallelism (--ep): collectives are not pinned")
-    if type(model) is not Qwen35ForCausalLM or getattr(model, "is_mla", False):
+    if (type(model).__module__, name) != ("engine.model.qwen3_5", "Qwen35ForCausalLM") or model.is_mla:
         raise ValueError(f"--numerics reproducible covers the dense Qwen3.5 decoder (tiny or a Qwen3.5 checkpoint); "
                          f"{name} (MoE routing, Kimi MLA/KDA, vision) is not covered")
