@@ -244,23 +244,20 @@ class Scheduler:
     # ---- one tick ---------------------------------------------------------------------------
     def step(self) -> bool:
         """Run one tick; False when there was nothing to do (no tick is counted then)."""
-        with reproducible.entered(self.numerics):
-            return self._step()
-
-    def _step(self) -> bool:
-        ctx, queues, pools, runner = self.context(), self.queues, self.pools, self.runner
-        admit(ctx, queues, pools)
-        plan = plan_tick(ctx, queues, pools)
-        if plan.kind == KIND_IDLE:
-            return False
-        start = ctx.now_ns()
-        runner.take_forward_cost()  # forwards outside a tick (a draft warm-up) are not this tick's
-        out = execute(plan, ctx, queues, pools, runner)
-        sample(plan, out, ctx, queues, pools, runner)
-        self.last_path = account(plan, out, ctx, queues, pools, runner, start_ns=start,
-                                 machine_rates=self._machine_rates)
-        self.events.tick += 1
-        return True
+        with reproducible.entered(self.numerics):  # no-op in native numerics
+            ctx, queues, pools, runner = self.context(), self.queues, self.pools, self.runner
+            admit(ctx, queues, pools)
+            plan = plan_tick(ctx, queues, pools)
+            if plan.kind == KIND_IDLE:
+                return False
+            start = ctx.now_ns()
+            runner.take_forward_cost()  # forwards outside a tick (a draft warm-up) are not this tick's
+            out = execute(plan, ctx, queues, pools, runner)
+            sample(plan, out, ctx, queues, pools, runner)
+            self.last_path = account(plan, out, ctx, queues, pools, runner, start_ns=start,
+                                     machine_rates=self._machine_rates)
+            self.events.tick += 1
+            return True
 
     # ---- endings from outside the loop (between ticks) ------------------------------------
     def cancel(self, request_id: int, reason: str) -> Request | None:
