@@ -10,7 +10,8 @@ from typing import Any
 from engine.cli.kv_cache_args import add_kv_cache_args, kv_cache_options
 from engine.replay import divergence, flips as replay_flips, run_dtype
 from engine.replay.compare import compare, text_report
-from engine.replay.rerun import load_input, recorded_kv_cache, replay_run, resolve_model
+from engine.model.reproducible import NUMERICS_CHOICES, REPRODUCIBLE
+from engine.replay.rerun import load_input, recorded_kv_cache, recorded_numerics, replay_run, resolve_model
 from telemetry import cli_args
 from telemetry.levers import LEVERS_BY_NAME, LeversError
 
@@ -23,6 +24,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--flip", action="append", default=[], metavar="NAME=VALUE",
                    help="override a lever for the whole replay (repeatable), e.g. bisect_no_mix=true")
     p.add_argument("--model", default=None, help="an embedded model (tiny, tiny-moe, tiny-kimi) or a checkpoint directory (default: the run's model when embedded)")
+    p.add_argument("--numerics", choices=NUMERICS_CHOICES, default=None,
+                   help="default: the run's own mode (reproducible when serve ran with --numerics reproducible, "
+                        "which replays identically on any CPU family); native turns it off")
     add_kv_cache_args(p, from_run=True)
     p.add_argument("--ignore-checkpoint-hash", action="store_true",
                    help="replay even when the checkpoint differs from the recorded one (warns)")
@@ -44,6 +48,16 @@ def parse_flips(items: list[str]) -> dict[str, Any]:
     return flips
 
 
+def numerics_note(recorded: str, used: str) -> str:
+    """One line: the numerics mode the replay runs in, and what identity it can promise."""
+    if used != recorded:
+        return (f"replaying in {used} numerics, the run recorded {recorded}: tokens are not expected to match")
+    if used == REPRODUCIBLE:
+        return "replaying in reproducible numerics (as recorded): identical on any x86 CPU family"
+    return ("replaying in native numerics (as recorded): identical on this CPU family only; record with "
+            "serve --numerics reproducible for a bundle another CPU replays identically")
+
+
 def run(args: argparse.Namespace) -> int:
     flips = parse_flips(args.flip)
     recorded, _manifest = load_input(args.bundle, args.run)
@@ -53,11 +67,14 @@ def run(args: argparse.Namespace) -> int:
     model, warnings = resolve_model(recorded, args.model, ignore_hash=args.ignore_checkpoint_hash)
     for warning in warnings:
         print(warning, file=sys.stderr)
-    replayed = replay_run(recorded, model=model, flips=flips,
+    numerics = args.numerics or recorded_numerics(recorded.config)
+    print(numerics_note(recorded_numerics(recorded.config), numerics), file=sys.stderr)
+    replayed = replay_run(recorded, model=model, flips=flips, numerics=numerics,
                           kv_cache=kv_cache_options(args, recorded_kv_cache(recorded.config)))
     report = compare(recorded, replayed)
     report["flips"] = flips
     report["run_id"] = recorded.run_id
+    report["numerics"] = numerics
     report["lever_changes_replayed"] = replayed.lever_log
     report["notes"] = list(recorded.notes) + warnings + no_op_notes
     report["numerics"] = run_dtype.numerics(recorded.config, replayed.dtype, replayed.device)

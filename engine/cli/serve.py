@@ -9,6 +9,7 @@ from engine.cli.compile_args import add_compile_args
 from engine.cli.kv_cache_args import add_kv_cache_args
 from engine.distributed import launch
 from engine.model.cpu_features import DTYPE_CHOICES
+from engine.model.reproducible import NUMERICS_CHOICES
 from engine.serve import process
 from telemetry.cli_args import bounded_float, bounded_int
 
@@ -45,6 +46,9 @@ def add_parser(subparsers) -> None:
                    help="reuse cached prompt prefixes (KV blocks + SSM snapshots); default on")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="auto: bfloat16 where the CPU has AMX or AVX512-BF16, else float32 (recorded in the run row)")
+    p.add_argument("--numerics", choices=NUMERICS_CHOICES, default="native",
+                   help="reproducible: every reduction and transcendental in float64, rounded to --dtype, so a bundle "
+                        "replays identically on another CPU family (slower: bench/numerics.py); recorded in the run row")
     p.add_argument("--no-telemetry", action="store_true", help="run without writing telemetry (benchmarks)")
     add_kv_cache_args(p)
     add_compile_args(p)

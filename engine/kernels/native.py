@@ -22,7 +22,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.model import cpu_features
+from engine.model import cpu_features, reproducible
 
 log = logging.getLogger("chunkscope.kernels")
 
@@ -70,7 +70,8 @@ ISA = os.environ.get("CHUNKSCOPE_KERNEL_ISA", "auto")
 
 
 def enabled() -> bool:
-    return ENABLED
+    """On unless turned off, and never inside the reproducible-numerics mode (its kernels are per-ISA builds)."""
+    return ENABLED and not reproducible.active()
 
 
 @functools.cache

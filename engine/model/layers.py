@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels import custom_ops, rms_norm, skinny_gemm
+from engine.model import reproducible
 from engine.model.gate_up import GateUpSiLU
 
 
@@ -112,7 +113,8 @@ class FusedLinear:
         """Whether ``x`` [T, in] takes the prepacked path (never in a compiled graph: inductor cannot lower
         oneDNN's opaque packed weight, and serve --compile on failed at start on a prepacked model)."""
         return (self.packed is not None and x.dim() == 2 and x.shape[0] >= min_packed_rows()
-                and x.dtype == self.weight.dtype and not torch.compiler.is_compiling())
+                and x.dtype == self.weight.dtype and not torch.compiler.is_compiling()
+                and not reproducible.active())  # oneDNN picks its kernel by ISA: F.linear, widened, instead
 
     def packed_call(self, x: torch.Tensor, post_op: str = "none", other: torch.Tensor | None = None) -> torch.Tensor:
         """oneDNN GEMM on already bucketed rows (``pad_rows``): [P, in] -> [P, out].

@@ -30,6 +30,7 @@ from engine.serve.engine_setup import build_engine, checkpoint_dir_of, checkpoin
 from engine.cache.kv_options import OPTION_KEYS
 from engine.model.embedded import EMBEDDED_MODELS
 from engine.model.fault import ForwardFault
+from engine.model.reproducible import NATIVE
 from engine.replay.compare import ReplayedRequest, ReplayedRun
 from engine.replay.record import RecordedRun, ReplayInputError, load_recorded_run
 from engine.replay.run_dtype import replay_dtype
@@ -96,11 +97,18 @@ def _lever_values(values: dict[str, Any]) -> LeverValues:
     return defaults().replace(**known)
 
 
+def recorded_numerics(config: dict[str, Any]) -> str:
+    """The numerics mode a run recorded (a run from before the mode existed: native)."""
+    return str(config.get("numerics") or NATIVE)
+
+
 def replay_run(recorded: RecordedRun, *, model: str = "tiny", flips: dict[str, Any] | None = None,
-               device: str | None = None, kv_cache: dict[str, Any] | None = None) -> ReplayedRun:
+               device: str | None = None, kv_cache: dict[str, Any] | None = None,
+               numerics: str | None = None) -> ReplayedRun:
     """Re-run ``recorded`` on ``model`` (checked by the caller) and collect what the engine did.
 
-    ``kv_cache``: KV cache options; by default the run's own (format, byte budget, InnerQ windows)."""
+    ``kv_cache``: KV cache options; by default the run's own (format, byte budget, InnerQ windows).
+    ``numerics``: 'reproducible' / 'native'; by default the mode the run recorded (``recorded_numerics``)."""
     flips = dict(flips or {})
     config = recorded.config
     device = device or config.get("device") or None
@@ -122,7 +130,8 @@ def replay_run(recorded: RecordedRun, *, model: str = "tiny", flips: dict[str, A
                          levers=levers, seed=int(config.get("seed", 0)), device=device, dtype=dtype,
                          emit=collect,  # only the rows a comparison needs are kept
                          fault=ForwardFault.parse(config["fault_forward"]) if config.get("fault_forward") else None,
-                         kv_cache=kv_cache if kv_cache is not None else recorded_kv_cache(config))
+                         kv_cache=kv_cache if kv_cache is not None else recorded_kv_cache(config),
+                         numerics=numerics or recorded_numerics(config))
     sched = setup.scheduler
     replay_flips.check_model_can_honour(flips, setup.model)
     submitted, lever_log = drive(sched, recorded, flips, cut_at_tick=None if flips else recorded.num_ticks,

@@ -19,6 +19,7 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 from engine.grammar.masks import MaskStats
+from engine.model import reproducible
 from engine.model.roofline import MachineRates
 from engine.model.runner import ModelRunner
 from engine.cache.prefix_pool import PrefixPool
@@ -59,8 +60,10 @@ class Scheduler:
                  run_seed: int = 0, clock_ns: Callable[[], int] = time.monotonic_ns,
                  prefix_cache: bool = False, detokenize: Callable[[list[int]], str] | None = None,
                  grammars: Any = None, eos_ids: Collection[int] | None = None,
-                 machine_rates: MachineRates | None = None) -> None:
+                 machine_rates: MachineRates | None = None, numerics: str = "native") -> None:
         self.runner = runner
+        # "reproducible": every step runs inside engine/model/reproducible.py's mode (forward and sampling).
+        self.numerics = reproducible.check_choice(numerics)
         self.events = RunEvents(emit, clock_ns)
         self.run_seed = run_seed
         self.queues = Queues()
@@ -241,19 +244,20 @@ class Scheduler:
     # ---- one tick ---------------------------------------------------------------------------
     def step(self) -> bool:
         """Run one tick; False when there was nothing to do (no tick is counted then)."""
-        ctx, queues, pools, runner = self.context(), self.queues, self.pools, self.runner
-        admit(ctx, queues, pools)
-        plan = plan_tick(ctx, queues, pools)
-        if plan.kind == KIND_IDLE:
-            return False
-        start = ctx.now_ns()
-        runner.take_forward_cost()  # forwards outside a tick (a draft warm-up) are not this tick's
-        out = execute(plan, ctx, queues, pools, runner)
-        sample(plan, out, ctx, queues, pools, runner)
-        self.last_path = account(plan, out, ctx, queues, pools, runner, start_ns=start,
-                                 machine_rates=self._machine_rates)
-        self.events.tick += 1
-        return True
+        with reproducible.entered(self.numerics):  # no-op in native numerics
+            ctx, queues, pools, runner = self.context(), self.queues, self.pools, self.runner
+            admit(ctx, queues, pools)
+            plan = plan_tick(ctx, queues, pools)
+            if plan.kind == KIND_IDLE:
+                return False
+            start = ctx.now_ns()
+            runner.take_forward_cost()  # forwards outside a tick (a draft warm-up) are not this tick's
+            out = execute(plan, ctx, queues, pools, runner)
+            sample(plan, out, ctx, queues, pools, runner)
+            self.last_path = account(plan, out, ctx, queues, pools, runner, start_ns=start,
+                                     machine_rates=self._machine_rates)
+            self.events.tick += 1
+            return True
 
     # ---- endings from outside the loop (between ticks) ------------------------------------
     def cancel(self, request_id: int, reason: str) -> Request | None:

@@ -19,6 +19,7 @@ from engine.model.compiled_decode import resolve_compile, use_persistent_cache
 from engine.model.cpu_features import assumed_cpu, cpu_flags, cpu_model, isa_summary, resolve_dtype
 from engine.model.embedded import EMBEDDED_MODELS, checkpoint_dir_of  # noqa: F401  (callers import it here)
 from engine.model.fault import ForwardFault
+from engine.model import reproducible
 from engine.model.loader import load_model
 from engine.model import tiny
 from engine.model.roofline import MachineRates, measure_rates
@@ -61,7 +62,7 @@ def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: Lev
                  emit=None, prefix_cache: bool = True, threads: int | None = None,
                  fault: ForwardFault | None = None, kv_cache: dict[str, Any] | None = None,
                  ep_size: int = 1, compile: str = "off", compile_warmup: bool = True,
-                 measure_roofline: bool = False) -> EngineSetup:
+                 measure_roofline: bool = False, numerics: str = "native") -> EngineSetup:
     """``fault``: the test-only forward fault hook (``engine/model/fault.py``), recorded in the config.
     ``kv_cache``: ``kv_cache_options`` (format, byte budget, InnerQ windows), recorded in the config.
     ``dtype``: a torch dtype, or a ``--dtype`` choice ('auto' picks by the CPU's flags, cpu_features.py).
@@ -70,7 +71,10 @@ def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: Lev
     every batch bucket up to ``ssm_slots`` rows compiles here, before the run starts, else on first use.
     ``measure_roofline``: time this machine's GEMM rate and read bandwidth once (``serve``), so every tick
     records its forwards' roofline time; the rates go in the config (``roofline_rates``, ``log_roofline``).
+    ``numerics``: 'reproducible' builds and steps the engine inside ``engine/model/reproducible.py``'s mode
+    (the compiled decode step off: its kernels are per-ISA), recorded in the config as ``numerics``.
     """
+    reproducible.check_choice(numerics)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype_choice = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
     dtype = getattr(torch, resolve_dtype(dtype_choice, device=device))
@@ -82,15 +86,20 @@ def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: Lev
     if kv_blocks < 1 or ssm_slots < 1:
         raise ValueError(f"--kv-blocks and --ssm-slots must be >= 1, got {kv_blocks} and {ssm_slots}")
     directory = checkpoint_dir_of(model_name)
-    model, config, tokenizer = load_model(directory, dtype=dtype, device=device, ep_size=ep_size)
+    with reproducible.entered(numerics):  # init-time math (rotary frequencies, decay rates) pinned too
+        model, config, tokenizer = load_model(directory, dtype=dtype, device=device, ep_size=ep_size)
+    if numerics == reproducible.REPRODUCIBLE:
+        reproducible.check_supported(model, ep_size=ep_size, device=device)
+        compile = "off"
     kv_cache = dict(kv_cache or {"kv_cache_dtype": "auto"})
     compile_settings = resolve_compile(compile, device) if ep_size == 1 else None
     if compile_settings is not None:
         use_persistent_cache(tiny.cache_root() / "inductor")
-    runner = ModelRunner.build(model, num_kv_blocks=kv_blocks, num_ssm_slots=ssm_slots,
-                               block_size=BLOCK_SIZE, device=device, dtype=dtype, fault=fault,
-                               kv_quant=kv_quant_config(kv_cache), kv_budget_bytes=budget_bytes(kv_cache),
-                               compile=compile_settings)
+    with reproducible.entered(numerics):
+        runner = ModelRunner.build(model, num_kv_blocks=kv_blocks, num_ssm_slots=ssm_slots,
+                                   block_size=BLOCK_SIZE, device=device, dtype=dtype, fault=fault,
+                                   kv_quant=kv_quant_config(kv_cache), kv_budget_bytes=budget_bytes(kv_cache),
+                                   compile=compile_settings)
     grammars = None
     if tokenizer is not None:
         from engine.grammar.compiler import GrammarCompiler
@@ -98,8 +107,8 @@ def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: Lev
     rates, roofline_s = _measure_roofline(dtype) if measure_roofline else (None, 0.0)
     scheduler = Scheduler(runner, levers, emit=emit, run_seed=seed, prefix_cache=prefix_cache,
                           detokenize=tokenizer.decode if tokenizer is not None else None, grammars=grammars,
-                          machine_rates=rates)
-    engine_config = {"kv_blocks": kv_blocks, "block_size": BLOCK_SIZE, "ssm_slots": ssm_slots,
+                          machine_rates=rates, numerics=numerics)
+    engine_config = {"numerics": numerics, "kv_blocks": kv_blocks, "block_size": BLOCK_SIZE, "ssm_slots": ssm_slots,
                      "device": device, "dtype": str(dtype).removeprefix("torch."), "seed": seed,
                      "dtype_choice": dtype_choice, "cpu_model": cpu_model(), "cpu_isa": isa_summary(cpu_flags()),
                      **({"dtype_assumed_cpu": assumed_cpu()} if assumed_cpu() else {}),

@@ -64,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
     setup = build_engine(args.model, kv_blocks=args.kv_blocks, ssm_slots=args.ssm_slots,
                          levers=base_levers, seed=args.seed, prefix_cache=args.prefix_cache,
                          threads=args.threads, fault=fault, kv_cache=kv_cache_options(args), dtype=args.dtype,
-                         ep_size=args.ep, compile=args.compile, measure_roofline=True)
+                         ep_size=args.ep, compile=args.compile, measure_roofline=True,
+                         numerics=args.numerics)
     feed = WorkloadFeed.from_args(args, setup)   # a bad workload fails in one line, before any rank starts
     ep_run, start_failure = None, None
     if args.ep > 1:
