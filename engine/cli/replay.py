@@ -68,13 +68,14 @@ def run(args: argparse.Namespace) -> int:
     for warning in warnings:
         print(warning, file=sys.stderr)
     numerics = args.numerics or recorded_numerics(recorded.config)
-    print(numerics_note(recorded_numerics(recorded.config), numerics), file=sys.stderr)
     replayed = replay_run(recorded, model=model, flips=flips, numerics=numerics,
                           kv_cache=kv_cache_options(args, recorded_kv_cache(recorded.config)))
+    # after the replay ran: a dtype it refuses is the only line a refused replay prints
+    print(numerics_note(recorded_numerics(recorded.config), numerics), file=sys.stderr)
     report = compare(recorded, replayed)
     report["flips"] = flips
     report["run_id"] = recorded.run_id
-    report["numerics"] = numerics
+    report["numerics_mode"] = numerics
     report["lever_changes_replayed"] = replayed.lever_log
     report["notes"] = list(recorded.notes) + warnings + no_op_notes
     report["numerics"] = run_dtype.numerics(recorded.config, replayed.dtype, replayed.device)

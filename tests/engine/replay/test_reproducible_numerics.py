@@ -73,7 +73,7 @@ def _replay(bundle, *extra: str) -> dict:
 
 def test_a_reproducible_bundle_replays_identically_on_avx2_kernels(bundle):
     report = _replay(bundle)
-    assert report["numerics"] == "reproducible", "replay follows the run's recorded mode by default"
+    assert report["numerics_mode"] == "reproducible", "replay follows the run's recorded mode by default"
     assert "replaying in reproducible numerics (as recorded)" in report["stderr"]
     assert report["first_divergence"] is None, report["first_divergence"]
     assert report["decisions_identical"] and report["tokens_identical"]
@@ -81,7 +81,7 @@ def test_a_reproducible_bundle_replays_identically_on_avx2_kernels(bundle):
 
 def test_replay_can_turn_the_mode_off(bundle):
     report = _replay(bundle, "--numerics", "native")
-    assert report["numerics"] == "native"
+    assert report["numerics_mode"] == "native"
     assert "replaying in native numerics, the run recorded reproducible" in report["stderr"]
     # Not asserted either way: whether native AVX2 kernels reproduce tokens depends on near-ties.
     print(f"native numerics under AVX2 kernels: tokens_identical={report['tokens_identical']}")
