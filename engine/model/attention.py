@@ -15,7 +15,8 @@ from engine.cache.kv_store import KVStore
 from engine.kernels import custom_ops, paged_attention
 from engine.model.batch import PackedBatch
 from engine.model.config import ModelConfig
-from engine.model.layers import FusedLinear, PartialRotary, ZeroCenteredRMSNorm
+from engine.model.layers import FusedLinear, PartialRotary
+from engine.model.norms import ZeroCenteredRMSNorm
 
 
 class GatedAttention(nn.Module):

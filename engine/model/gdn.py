@@ -15,7 +15,8 @@ from engine.kernels import custom_ops, gdn_step
 from engine.model.batch import PackedBatch
 from engine.model.config import ModelConfig
 from engine.model.gdn_rule import CHUNK_SIZE, chunked_gated_delta_rule, recurrent_gated_delta_step
-from engine.model.layers import FusedLinear, GatedRMSNorm
+from engine.model.layers import FusedLinear
+from engine.model.norms import GatedRMSNorm
 
 __all__ = ["CHUNK_SIZE", "GatedDeltaNet", "SSMCapture", "SSMRowStates", "chunked_gated_delta_rule",
            "recurrent_gated_delta_step"]

@@ -24,7 +24,8 @@ from engine.model.config import ConfigError
 from engine.model.kda import KimiDeltaAttention
 from engine.model.kimi_config import KimiConfig
 from engine.model.kimi_moe import KimiMoeBlock
-from engine.model.layers import RMSNorm, SwiGLU
+from engine.model.layers import SwiGLU
+from engine.model.norms import RMSNorm
 from engine.model.mla import LatentAttention
 from engine.model.qwen3_5 import DecoderLayer
 from engine.model.qwen3_5_moe import ForwardTimings, Qwen35MoeForCausalLM

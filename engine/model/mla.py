@@ -25,7 +25,8 @@ from torch import nn
 
 from engine.cache.latent_store import LatentKVStore
 from engine.model.batch import PackedBatch
-from engine.model.layers import FusedLinear, RMSNorm
+from engine.model.layers import FusedLinear
+from engine.model.norms import RMSNorm
 from engine.model.mla_prefill import CONTEXT_SUB_CHUNK, chunk_over_context
 
 LATENT_NORM_EPS = 1e-6  # transformers builds kv_a_layernorm / q_a_layernorm with the RMSNorm default eps

@@ -29,7 +29,8 @@ from engine.cache.kv_store import KVStore
 from engine.model.attention import GatedAttention
 from engine.model.batch import PackedBatch
 from engine.model.config import ModelConfig
-from engine.model.layers import FusedLinear, PartialRotary, SwiGLU, ZeroCenteredRMSNorm
+from engine.model.layers import FusedLinear, PartialRotary, SwiGLU
+from engine.model.norms import ZeroCenteredRMSNorm
 from engine.model.qwen3_5 import DecoderLayer
 
 

@@ -10,7 +10,8 @@ from engine.model.attention import GatedAttention
 from engine.model.batch import PackedBatch
 from engine.model.config import ModelConfig
 from engine.model.gdn import GatedDeltaNet
-from engine.model.layers import FusedLinear, PartialRotary, SwiGLU, ZeroCenteredRMSNorm
+from engine.model.layers import FusedLinear, PartialRotary, SwiGLU
+from engine.model.norms import ZeroCenteredRMSNorm
 
 
 class DecoderLayer(nn.Module):

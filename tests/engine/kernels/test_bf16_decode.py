@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import native, paged_attention, skinny_gemm, swiglu_gemm
-from engine.model import layers
+from engine.model import layers, norms
 from engine.model.loader import load_model
 from tests.engine.model.test_decode_fastpaths import BF16_MAX_LOGIT_ERROR, _run
 from tests.engine.kernel_marks import needs_kernels
@@ -103,16 +103,16 @@ def test_a_bf16_fused_linear_and_mlp_route_decode_rows_to_the_kernel(monkeypatch
 def test_a_bf16_rms_norm_runs_the_float32_kernel_and_rounds_once(monkeypatch):
     """bf16 decode rows widened for the native norm and rounded back: the torch path computes in float32
     and rounds once too, so they agree within one bf16 rounding (rtol 2^-8)."""
-    norm = layers.ZeroCenteredRMSNorm(576, 1e-6)
+    norm = norms.ZeroCenteredRMSNorm(576, 1e-6)
     with torch.no_grad():
         norm.weight.normal_(0, 0.2)
     norm.fuse()
     x = (torch.randn(8, 576) * 3).bfloat16()
-    calls, real = [], layers.rms_norm.rms_norm
-    monkeypatch.setattr(layers.rms_norm, "rms_norm", lambda t, *args: calls.append(t.dtype) or real(t, *args))
+    calls, real = [], norms.rms_norm.rms_norm
+    monkeypatch.setattr(norms.rms_norm, "rms_norm", lambda t, *args: calls.append(t.dtype) or real(t, *args))
     got = norm(x)
     assert calls == [torch.float32] and got.dtype == torch.bfloat16
-    want = (layers._rms_normalize(x, 1e-6) * norm.scale).to(torch.bfloat16)  # the torch path, float32 inside
+    want = (norms._rms_normalize(x, 1e-6) * norm.scale).to(torch.bfloat16)  # the torch path, float32 inside
     torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -8, atol=1e-6)
 
 

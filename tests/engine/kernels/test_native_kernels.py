@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import gdn_step, native, rms_norm, skinny_gemm
-from engine.model import layers
+from engine.model import layers, norms
 from engine.model.gdn import GatedDeltaNet
 from engine.model.loader import load_model
 from engine.model.tiny import TINY_CONFIG
@@ -89,7 +89,7 @@ def test_rms_norm_kernel_equals_torch_norm(shape):
     scale = torch.randn(shape[-1], generator=gen)
     got = rms_norm.rms_norm(x, scale, 1e-6)
     assert got is not None and got.shape == x.shape and got.is_contiguous()
-    assert torch.allclose(got, layers._rms_normalize(x, 1e-6) * scale, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(got, norms._rms_normalize(x, 1e-6) * scale, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.usefixtures("kernel_variant")
@@ -99,7 +99,7 @@ def test_rms_norm_kernel_reads_strided_heads():
     projections = torch.randn(6, 3 * 64 + 40)
     heads = projections[:, 8:8 + 3 * 64].view(6, 3, 64)
     scale = torch.randn(64)
-    assert torch.allclose(rms_norm.rms_norm(heads, scale, 1e-6), layers._rms_normalize(heads, 1e-6) * scale,
+    assert torch.allclose(rms_norm.rms_norm(heads, scale, 1e-6), norms._rms_normalize(heads, 1e-6) * scale,
                           rtol=1e-5, atol=1e-6)
 
 
