@@ -242,7 +242,7 @@ def bench_model(name: str, dtype: torch.dtype, rounds: int, steps: int, with_hf:
     reads = sorted(r.bytes_per_s / 1e9 for r in every)
     libraries = ", ".join(f"{lib} {n}" for lib, n in sorted(collections.Counter(r.gemm for r in every).items()))
     print(f"[{name}] machine over {len(every)} probes before the blocks: square GEMM best "
-          f"{flops[-1]:.1f} GFLOP/s (median {statistics.median(flops):.1f}, min {flops[0]:.1f}; fastest library "
+          f"{flops[-1]:.1f} GFLOP/s (median {statistics.median(flops):.1f}, min {flops[0]:.1f}; fastest GEMM "
           f"per probe: {libraries}), read best "
           f"{reads[-1]:.1f} GB/s (median {statistics.median(reads):.1f}, min {reads[0]:.1f})")
     # Decode rows sit after DECODE_CONTEXT prompt tokens plus about half the steps taken.

@@ -34,7 +34,7 @@ class ForwardCost:
 class MachineRates:
     flops_per_s: float  # square-GEMM rate: the fastest library's
     bytes_per_s: float  # streaming read bandwidth
-    gemm: str = ""  # the library that GEMM rate came from ('mkl', 'onednn'), where known
+    gemm: str = ""  # the GEMM that rate came from ('mm': torch.mm, 'onednn': a prepacked weight), where known
 
     def seconds(self, cost: ForwardCost) -> float:
         """The roofline time of ``cost``: compute-bound or bandwidth-bound, whichever is longer."""
@@ -190,10 +190,10 @@ class RateProbe:
 
 
 def square_gemms(a: torch.Tensor, b: torch.Tensor) -> dict[str, Callable[[], object]]:
-    """``a @ b`` through each CPU GEMM library torch offers for their dtype, by name: 'mkl' (``torch.mm``)
-    and 'onednn' (a prepacked weight, as the engine's prefill and decode GEMMs run it) where oneDNN
-    multiplies that dtype natively (fp32; bf16 with AVX512-BF16 / AMX)."""
-    gemms: dict[str, Callable[[], object]] = {"mkl": lambda: a @ b}
+    """``a @ b`` through each CPU GEMM torch offers for their dtype, by name: 'mm' (``torch.mm``: MKL's sgemm
+    in fp32, oneDNN in bf16) and 'onednn' (oneDNN on a prepacked weight, as the engine's prefill and decode
+    GEMMs run it) where oneDNN multiplies that dtype natively (fp32; bf16 with AVX512-BF16 / AMX)."""
+    gemms: dict[str, Callable[[], object]] = {"mm": lambda: a @ b}
     if (a.device.type == "cpu" and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and (a.dtype == torch.float32

@@ -145,7 +145,7 @@ def log_roofline(setup: EngineSetup, log: logging.Logger) -> None:
     rates = setup.engine_config.get("roofline_rates")
     if rates is not None:
         log.info("roofline rates: square GEMM %.1f GFLOP/s in %s (%s), read %.1f GB/s (measured in %.2f s)",
-                 rates["gemm_gflop_s"], rates.get("gemm_dtype", "float32"), rates.get("gemm_library", "mkl"),
+                 rates["gemm_gflop_s"], rates.get("gemm_dtype", "float32"), rates.get("gemm_library", "mm"),
                  rates["read_gb_s"], setup.roofline_s)
 
 
