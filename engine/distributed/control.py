@@ -3,10 +3,11 @@
 The reference's EP broadcast: a control word (forward follows / idle keepalive / stop), then
 the forward's inputs: token ids, positions, K/V slots, the logits rows, the cache layout
 (prefill block ids and SSM slot, decode block tables, context lengths and SSM slots), the
-mid-chunk capture point, whether the chunk keeps every row's SSM state (a speculative verify: every
-rank then runs its linear layers row by row, as rank 0 does, so their states stay equal), and the SSM slots rank 0 wrote outside a forward (admission zeroing,
-prefix-snapshot restores, normalization) with their states, so every rank's SSM pool holds the
-same state when the forward starts. Three broadcasts: a fixed header, one int64 payload, and
+mid-chunk capture point, whether the chunk keeps every row's SSM state (a speculative verify:
+every rank then runs its linear layers row by row, as rank 0 does, so their states stay equal),
+and the SSM slots rank 0 wrote outside a forward (admission zeroing, prefix-snapshot restores,
+normalization) with their states, so every rank's SSM pool holds the same state when the forward
+starts. Three broadcasts: a fixed header, one int64 payload, and
 the float32 states when any slot changed.
 """
 from __future__ import annotations
