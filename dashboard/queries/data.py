@@ -121,10 +121,11 @@ def chunk_view(db: str, run_id: int, version: Version, flt: ChunkFilter, limit: 
 
 
 @st.cache_data(max_entries=_ENTRIES, show_spinner=False)
-def request_view(db: str, run_id: int, version: Version, search, statuses: tuple[str, ...]):
+def request_view(db: str, run_id: int, version: Version, search, statuses: tuple[str, ...],
+                 sources: tuple[str, ...] = ()):
     """(status counts, matching requests, their lifecycle events, newest data time, errors)."""
     path = Path(db)
-    found = queries_requests.find_requests(path, run_id, search, statuses)
+    found = queries_requests.find_requests(path, run_id, search, statuses, sources=sources)
     ids = [int(x) for x in found["request_id"]] if len(found) else []
     if ids:   # grammar marks: their own query, so a store without grammar columns still lists requests
         found = found.merge(queries_grammar.marks(path, run_id, ids), on="request_id", how="left")

@@ -68,7 +68,7 @@ def test_chunks_filters_counts_and_charts(app, run_fixture):
     at.text_input(key="chunks_request").set_value(str(rid)).run()
     assert f"**{sum(c.request_id == rid for c in chunks)} chunk decisions**" in texts(at)
     at.text_input(key="chunks_request").set_value("x1").run()
-    assert "is not a number" in at.error[0].value
+    assert "is not an id" in at.error[0].value
 
 
 def test_requests_waterfall_search_and_errors(app, run_fixture):
