@@ -214,7 +214,7 @@ class RequestRecord(Event):
     prompt_tokens: list[int] = field(default_factory=list)
     output_tokens: list[int] = field(default_factory=list)
     conversation_id: int | None = None
-    source: str | None = None           # api / workload
+    source: str | None = None           # api / workload / replay (a recorded workload served again)
     features: dict[str, Any] = field(default_factory=dict)  # thinking, tool call, stop strings, logprobs
     first_token_rules: str | None = None  # the first-token rules that fired, comma-separated
     grammar: dict[str, Any] | None = None   # {"kind", "value"[, "after_think"]}: what the output obeys
