@@ -81,6 +81,11 @@ EVENT_DECODE_COMPILE = "decode_compile"
 # ``GenericEvent.kind`` of the reason a run ended ``failed`` (detail: reason), e.g. expert-parallel ranks
 # that disagreed on their dtype at the start handshake, or a collective that failed mid-run.
 EVENT_RUN_FAILED = "run_failed"
+# ``GenericEvent.kind`` when no step is possible with work waiting (detail: blocker, num_waiting), and
+# when work moves again (detail: the blocker that was): engine/serve/stall_watch.py. Ticks stop in
+# between, so these two are the blocked time's only record (the Live timeline, the replay report).
+EVENT_STALLED = "stalled"
+EVENT_STALL_CLEARED = "stall_cleared"
 
 
 @dataclass
