@@ -97,6 +97,10 @@ def _show_result(result: dict) -> None:
     report = result["report"]
     level, text = replay_check.headline(report)
     (st.success if level == "success" else st.warning)(text)
+    stall = report.get("stall") or {}
+    if stall.get("lines"):      # lever changes, blocked time and TTFT p99, recorded vs replayed
+        blocked = bool((stall.get("blocked_s") or {}).get("recorded"))
+        (st.warning if blocked else st.info)("  \n".join(stall["lines"]), icon=":material/timer:")
     tables.show(replay_check.request_table(report), key="replay_requests")
 
 

@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from engine.cli.kv_cache_args import add_kv_cache_args, kv_cache_options
-from engine.replay import divergence, flips as replay_flips, run_dtype
+from engine.replay import divergence, flips as replay_flips, run_dtype, stall_report
 from engine.replay.compare import compare, text_report
 from engine.model.reproducible import NUMERICS_CHOICES, REPRODUCIBLE
 from engine.replay.rerun import load_input, recorded_kv_cache, recorded_numerics, replay_run, resolve_model
@@ -77,6 +77,10 @@ def run(args: argparse.Namespace) -> int:
     report["run_id"] = recorded.run_id
     report["numerics_mode"] = numerics
     report["lever_changes_replayed"] = replayed.lever_log
+    report["stall"] = stall_report.stall_section(
+        recorded.stalls, len(recorded.lever_changes), replayed.lever_log, replayed.blocked,
+        stall_report.ttft_ms(recorded.requests), replayed.ttft_ms)
+    report["stall"]["lines"] = stall_report.stall_lines(report["stall"])   # the Runs page shows these as they are
     report["notes"] = list(recorded.notes) + warnings + no_op_notes
     report["numerics"] = run_dtype.numerics(recorded.config, replayed.dtype, replayed.device)
     report["divergence_cause"] = divergence.explain(report, recorded, replayed.model, replayed.dtype, bool(flips))
