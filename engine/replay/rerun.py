@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -104,11 +105,12 @@ def recorded_numerics(config: dict[str, Any]) -> str:
 
 def replay_run(recorded: RecordedRun, *, model: str = "tiny", flips: dict[str, Any] | None = None,
                device: str | None = None, kv_cache: dict[str, Any] | None = None,
-               numerics: str | None = None) -> ReplayedRun:
+               numerics: str | None = None, progress: Callable[[int], None] | None = None) -> ReplayedRun:
     """Re-run ``recorded`` on ``model`` (checked by the caller) and collect what the engine did.
 
     ``kv_cache``: KV cache options; by default the run's own (format, byte budget, InnerQ windows).
-    ``numerics``: 'reproducible' / 'native'; by default the mode the run recorded (``recorded_numerics``)."""
+    ``numerics``: 'reproducible' / 'native'; by default the mode the run recorded (``recorded_numerics``).
+    ``progress(tick)``: called before each step (the CLI's tqdm bar)."""
     flips = dict(flips or {})
     config = recorded.config
     device = device or config.get("device") or None
@@ -135,7 +137,8 @@ def replay_run(recorded: RecordedRun, *, model: str = "tiny", flips: dict[str, A
     sched = setup.scheduler
     replay_flips.check_model_can_honour(flips, setup.model)
     submitted, levers = drive(sched, recorded, flips, cut_at_tick=None if flips else recorded.num_ticks,
-                              cut_lengths=replay_flips.recorded_cut_lengths(recorded) if flips else None)
+                              cut_lengths=replay_flips.recorded_cut_lengths(recorded) if flips else None,
+                              progress=progress)
     # From the submitted objects, in submission order (``sched.done`` holds them in end order).
     done = {r.request_id: ReplayedRequest(r.request_id, r.status, r.error, list(r.output_tokens))
             for r in submitted}
@@ -145,7 +148,8 @@ def replay_run(recorded: RecordedRun, *, model: str = "tiny", flips: dict[str, A
 
 
 def drive(sched, recorded: RecordedRun, flips: dict[str, Any], *, cut_at_tick: int | None,
-          cut_lengths: dict[int, int] | None = None) -> tuple[list[Any], LeverTimeline]:
+          cut_lengths: dict[int, int] | None = None,
+          progress: Callable[[int], None] | None = None) -> tuple[list[Any], LeverTimeline]:
     """Submit arrivals and apply lever changes at their recorded ticks, stepping like ``serve``.
 
     ``cut_lengths``: requests the recording cut short end where it did (a flipped replay).
@@ -159,7 +163,9 @@ def drive(sched, recorded: RecordedRun, flips: dict[str, Any], *, cut_at_tick: i
     disconnects = [] if flips else [(r.tick, r.request_id) for r in gone]
     levers = LeverTimeline(recorded.lever_changes, flips)
     cut = [lambda s: replay_flips.cut_where_recorded(s, cut_lengths)] if cut_lengths else []
-    driver = TickDriver(sched, [arrivals, TickCancels(disconnects, CLIENT_DISCONNECTED), levers], before_step=cut)
+    shown = [lambda s: progress(s.tick)] if progress is not None else []
+    driver = TickDriver(sched, [arrivals, TickCancels(disconnects, CLIENT_DISCONNECTED), levers],
+                        before_step=cut + shown)
     # Idle spells cost no tick: serve slept until the next arrival, so it was recorded at this tick
     # (later only when a flip changed pace).
     run_arrivals(driver, arrivals, cut_at_tick=cut_at_tick)
