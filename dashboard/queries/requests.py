@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 
 from dashboard.queries.db import placeholders, query_df
-from dashboard.queries.ids import MAX_REQUEST_ID, BadSearch, IdSelection, parse_ids, parse_request_id
+from dashboard.queries.ids import BadSearch, IdSelection, parse_ids  # noqa: F401  (BadSearch: the page catches it)
 
 REQUEST_COLUMNS = ("request_id", "status", "arrival_ns", "admitted_ns", "first_token_ns", "finished_ns",
                    "prompt_len", "output_len", "prefix_hit_tokens", "prefix_miss_reason", "finish_reason", "error",
