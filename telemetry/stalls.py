@@ -57,7 +57,6 @@ def blocked_spells(rows: Iterable[tuple[int, str, Any]], open_end_ns: int | None
 
 def read_stall_rows(conn: sqlite3.Connection, run_id: int) -> list[tuple[int, str, Any]]:
     """The run's newest ``MAX_STALL_EVENTS`` stall events, oldest first (the (run_id, kind) index)."""
-    rows = conn.execute(f"SELECT t_ns, kind, detail FROM events WHERE run_id = ? AND kind IN "
-                        f"({', '.join('?' * len(STALL_KINDS))}) ORDER BY id DESC LIMIT ?",
-                        [run_id, *STALL_KINDS, MAX_STALL_EVENTS]).fetchall()
+    rows = conn.execute("SELECT t_ns, kind, detail FROM events WHERE run_id = ? AND kind IN (?, ?) "
+                        "ORDER BY id DESC LIMIT ?", [run_id, *STALL_KINDS, MAX_STALL_EVENTS]).fetchall()
     return [tuple(r) for r in reversed(rows)]
