@@ -7,6 +7,7 @@ import os
 import sys
 
 from telemetry import cli_args, levers as lv
+from telemetry.lever_spec import ENV_PREFIX
 
 EXIT_INVALID = 2
 
@@ -49,8 +50,8 @@ def cmd_get(args: argparse.Namespace) -> int:
     except lv.LeversError as exc:
         return _invalid(str(exc))
     version, path = None, cli_args.levers_path(args)
-    env_names = sorted(k for k in os.environ if k.startswith(lv.ENV_PREFIX) and
-                       k[len(lv.ENV_PREFIX):].lower() in lv.LEVERS_BY_NAME)
+    env_names = sorted(k for k in os.environ if k.startswith(ENV_PREFIX) and
+                       k[len(ENV_PREFIX):].lower() in lv.LEVERS_BY_NAME)
     source = "defaults" + (f" < environment ({', '.join(env_names)})" if env_names else "")
     if path is not None and _is_absent(path):
         source += f" (no file at {path} yet: an engine there runs on these)"
