@@ -15,6 +15,8 @@ from engine.model import mtp_feed
 from engine.model.gdn import SSMCapture
 from engine.model.qwen3_5 import Qwen35ForCausalLM
 from engine.model.roofline import ForwardCost, forward_cost
+from engine.multimodal.chunk_inputs import attach_images
+from engine.multimodal.encoder_cache import EncoderCache
 from engine.cache.sequence import SequenceState
 
 
@@ -50,6 +52,10 @@ class ModelRunner:
             self.compiled_decode = CompiledDecode(model, pools.kv_store, pools.ssm, pools.blocks.block_size,
                                                   compile, self.device)
         self.last_forward_compiled = False  # whether the last forward ran the compiled step
+        # Vision-tower outputs by image content hash (engine/multimodal/encoder_cache.py); the
+        # covered image spans of the last forward's chunk (telemetry reads them).
+        self.encoder_cache = EncoderCache() if getattr(model, "visual", None) is not None else None
+        self.last_image_spans: list = []
 
     @classmethod
     def build(cls, model: Qwen35ForCausalLM, num_kv_blocks: int, num_ssm_slots: int, block_size: int = 16,
@@ -122,6 +128,7 @@ class ModelRunner:
             logits = self._compiled_logits(decodes, grown)  # [B, V]
         else:
             batch = build_batch(prefill, decodes, self.kv_block_size, self.device)
+            self.last_image_spans = self._attach_images(batch, prefill_seq, offset, length, decode_seqs, grown)
             if capture_at is not None:
                 capture = SSMCapture(num_rows=capture_at - offset)
                 batch.ssm_capture = capture  # read by every GatedDeltaNet layer of this forward
@@ -148,6 +155,17 @@ class ModelRunner:
     def decode(self, seqs: list[SequenceState], tokens: list[int]) -> torch.Tensor:
         """One token per sequence (a standalone caller's shorthand for ``forward``); logits [B, V]."""
         return self.forward(ForwardBatch.decode(seqs, tokens)).decode_logits
+
+    def _attach_images(self, batch, prefill_seq, offset, length, decode_seqs, grown) -> list:
+        """M-RoPE positions and image embeddings for ``batch`` (``chunk_inputs.attach_images``)."""
+        if self.encoder_cache is None:
+            return []
+        try:
+            return attach_images(batch, prefill_seq, offset, length, decode_seqs, self.model.visual,
+                                 self.encoder_cache)
+        except Exception:
+            self.pools.undo(grown)
+            raise
 
     def _may_compile(self, rows: int) -> bool:
         """A decode-only forward the compiled step serves: no fault hook, no MTP rows, a bucket that fits."""
