@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.model.mrope import prompt_positions
-from engine.multimodal.preprocess import ImageError, PreparedImage
+from engine.multimodal.limits import ImageError
+from engine.multimodal.preprocess import PreparedImage
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,10 @@ class PromptImages:
     spans: tuple[ImageSpan, ...]
     positions: torch.Tensor   # [3, prompt length] long
     delta: int                # tokens after the prompt sit at index + delta
+    # The prompt as the prefix cache keys it: each placeholder token replaced by a negative value
+    # from its image's content hash and its index in the image, so blocks of different images
+    # (same size, same placeholder ids) never share a key (vllm#43587 is this bug).
+    prefix_key: tuple[int, ...] = ()
 
     @classmethod
     def build(cls, prompt: Sequence[int], images: Sequence[PreparedImage], image_token_id: int) -> "PromptImages":
@@ -65,7 +70,11 @@ class PromptImages:
                                  f"needs {image.num_tokens}")
             spans.append(ImageSpan(start, image))
         positions, delta = prompt_positions(len(prompt), [(s.start, *s.image.merged_grid) for s in spans])
-        return cls(tuple(spans), positions, delta)
+        key = list(prompt)
+        for span in spans:
+            image_key = int(span.image.content_hash[:10], 16) << 20  # 40 hash bits, 20 for the row
+            key[span.start: span.end] = [-1 - (image_key + row) for row in range(span.image.num_tokens)]
+        return cls(tuple(spans), positions, delta, tuple(key))
 
     @property
     def hashes(self) -> list[str]:

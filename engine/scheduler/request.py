@@ -73,6 +73,15 @@ class Request:
             # replay reproduces tokens whatever the batch around it looks like.
             self.generator = torch.Generator().manual_seed(int(self.params.seed))
 
+    @property
+    def prefix_key(self):
+        """The prompt as the prefix cache keys it (``PromptImages.prefix_key`` with images)."""
+        return self.seq.images.prefix_key if self.seq.images is not None else self.prompt_tokens
+
+    @property
+    def num_images(self) -> int:
+        return len(self.seq.images.spans) if self.seq.images is not None else 0
+
     def clear_pending_drafts(self) -> None:
         """Forget the drafts of the last speculative step."""
         self.pending_drafts = []

@@ -16,7 +16,8 @@ from engine.model.loader import load_model
 from engine.model.runner import ModelRunner
 from engine.multimodal.chunk_inputs import attach_images
 from engine.multimodal.encoder_cache import EncoderCache
-from engine.multimodal.preprocess import ImageSettings, prepare_image
+from engine.multimodal.limits import ImageSettings
+from engine.multimodal.preprocess import prepare_image
 from engine.multimodal.prompt_images import PromptImages, placeholder_tokens
 from tests.engine.model.vision_checkpoints import VL_CONFIGS, build_vl_checkpoint, png_bytes
 

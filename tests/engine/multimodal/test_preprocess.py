@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from engine.multimodal.encoder_cache import EncoderCache
-from engine.multimodal.preprocess import ImageError, ImageLimits, ImageSettings, fit_size, prepare_image
+from engine.multimodal.limits import ImageError, ImageLimits, ImageSettings, fit_size
+from engine.multimodal.preprocess import prepare_image
 from tests.engine.model.vision_checkpoints import png_bytes
 
 transformers = pytest.importorskip("transformers")
