@@ -46,9 +46,9 @@ class FrontendBridge:
         self._write = write
 
     # ---- handlers ---------------------------------------------------------------------
-    def submit(self, requests: list[tuple[list[int], dict, RequestFeatures, dict | None]]
+    def submit(self, requests: list[tuple[list[int], dict, RequestFeatures, dict | None, tuple[bytes, ...]]]
                ) -> tuple[list[int], asyncio.Queue]:
-        """Send one HTTP request's engine requests (prompt tokens, sampling, features, grammar), all
+        """Send one HTTP request's engine requests (prompt tokens, sampling, features, grammar, images), all
         or none; returns their handles and the one queue their progress arrives in."""
         if self.is_engine_gone:
             raise EngineGone(ENGINE_GONE)
@@ -58,11 +58,11 @@ class FrontendBridge:
                             + (f"; this one brings {len(requests)}" if len(requests) > 1 else ""))
         outbox: asyncio.Queue = asyncio.Queue()
         handles = []
-        for index, (prompt_tokens, sampling, features, grammar) in enumerate(requests):
+        for index, (prompt_tokens, sampling, features, grammar, images) in enumerate(requests):
             handle, self._next_handle = self._next_handle, self._next_handle + 1
             self._outboxes[handle] = (outbox, index)
             self._num_submitted += 1
-            self._send(Submit(handle, prompt_tokens, sampling, features, grammar))
+            self._send(Submit(handle, prompt_tokens, sampling, features, grammar, images))
             handles.append(handle)
         return handles, outbox
 

@@ -22,6 +22,7 @@ from engine.cache.latent_store import LatentKVStore, build_latent_cache
 from engine.cache.prefix_pool import PrefixPool
 from engine.cache.sequence import SequenceState
 from engine.cache.ssm_pool import SSMPool
+from engine.multimodal.encoder_cache import EncoderCache
 
 Growth = list[tuple[SequenceState, int]]   # (sequence, its block count before an allocation)
 
@@ -34,6 +35,7 @@ class CachePools:
     fp_block_bytes: int               # bytes of one full-precision (or latent) block: the byte budget's unit
     innerq: InnerQCache | None = None
     prefix: PrefixPool | None = None
+    encoder: EncoderCache | None = None   # vision-tower outputs by image hash (a model with a vision tower)
 
     @classmethod
     def build(cls, model, num_kv_blocks: int, num_ssm_slots: int, *, block_size: int = 16,

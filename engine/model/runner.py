@@ -52,9 +52,10 @@ class ModelRunner:
             self.compiled_decode = CompiledDecode(model, pools.kv_store, pools.ssm, pools.blocks.block_size,
                                                   compile, self.device)
         self.last_forward_compiled = False  # whether the last forward ran the compiled step
-        # Vision-tower outputs by image content hash (engine/multimodal/encoder_cache.py); the
-        # covered image spans of the last forward's chunk (telemetry reads them).
-        self.encoder_cache = EncoderCache() if getattr(model, "visual", None) is not None else None
+        # Vision-tower outputs by image content hash (engine/multimodal/encoder_cache.py), kept with
+        # the other caches; the covered image spans of the last forward's chunk (telemetry reads them).
+        if getattr(model, "visual", None) is not None and pools.encoder is None:
+            pools.encoder = EncoderCache()
         self.last_image_spans: list = []
 
     @classmethod
@@ -85,6 +86,10 @@ class ModelRunner:
     def ep_broadcast_ns(self) -> int | None:
         """Rank 0's broadcast before the last forward under expert parallelism, else None."""
         return getattr(self.model, "last_broadcast_ns", None)
+
+    @property
+    def encoder_cache(self) -> EncoderCache | None:
+        return self.pools.encoder
 
     @property
     def vocab_size(self) -> int:

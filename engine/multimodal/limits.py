@@ -101,3 +101,18 @@ def image_tokens(data: bytes, settings: ImageSettings, limits: ImageLimits) -> i
     factor = settings.patch_size * settings.merge_size
     height, width = fit_size(image.height, image.width, factor, settings.min_pixels, settings.max_pixels)
     return (height // factor) * (width // factor)
+
+
+@dataclass(frozen=True)
+class ImagePolicy:
+    """What the API frontend needs to accept images for a checkpoint with a vision tower (torch-free)."""
+
+    settings: ImageSettings
+    limits: ImageLimits
+    start_token: str      # the placeholder texts the tokenizer maps to the config's ids
+    pad_token: str
+    end_token: str
+    pad_id: int
+
+    def placeholder_text(self, num_tokens: int) -> str:
+        return self.start_token + self.pad_token * num_tokens + self.end_token

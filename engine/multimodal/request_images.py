@@ -13,7 +13,8 @@ from pathlib import Path
 
 from engine.model.vision_config import VisionConfig
 from engine.multimodal.image_store import ImageStore
-from engine.multimodal.limits import ImageError, ImageLimits, ImageSettings
+from engine.model.tokenizer import IMAGE_PAD, VISION_END, VISION_START
+from engine.multimodal.limits import ImageError, ImageLimits, ImagePolicy, ImageSettings
 from engine.multimodal.preprocess import PreparedImage, prepare_image
 from engine.multimodal.prompt_images import PromptImages, placeholder_tokens
 
@@ -32,6 +33,19 @@ class RequestImages:
         if vision is None:
             return None
         return cls(vision, ImageSettings.for_checkpoint(vision, checkpoint_dir), store, limits)
+
+    def policy(self, tokenizer) -> ImagePolicy:
+        """What the API frontend checks images with: the limits and the placeholder texts, which must be
+        the tokenizer's names for the config's token ids."""
+        v = self.vision
+        names = []
+        for text, token in ((VISION_START, v.vision_start_token_id), (IMAGE_PAD, v.image_token_id),
+                            (VISION_END, v.vision_end_token_id)):
+            if tokenizer is None or tokenizer.token_id(text) != token:
+                raise ImageError(f"the tokenizer does not map {text} to the config's id {token}: images cannot "
+                                 f"be placed in chat text")
+            names.append(text)
+        return ImagePolicy(self.settings, self.limits, *names, pad_id=v.image_token_id)
 
     def prepare(self, data: bytes) -> PreparedImage:
         return prepare_image(data, self.settings, self.limits)

@@ -123,6 +123,7 @@ class Request:
             grammar_kind=self.grammar_spec.kind if self.grammar_spec is not None else None,
             grammar_ready_tick=self.grammar_ready_tick, grammar_valid=self.grammar_valid,
             grammar_approximations=",".join(self.grammar_approximations) or None,
+            num_images=len(self.features.images),
         )
 
     def _features_dict(self) -> dict:

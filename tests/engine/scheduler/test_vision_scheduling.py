@@ -100,3 +100,35 @@ def test_bad_image_requests_are_rejected_before_any_forward(vl):
     plain = Scheduler(ModelRunner.build(text_only, num_kv_blocks=8, num_ssm_slots=1), defaults())
     assert "takes no images" in plain.submit(0, [1, 2, 3], GREEDY, features=RequestFeatures(images=(key,))).error
     assert sched.tick == 0 and plain.tick == 0
+
+
+def test_image_levers_cap_chunks_and_rows_show_spans_and_encoder_events(vl):
+    from telemetry import events as ev
+
+    model, _ = vl
+    a, b = png_bytes(48, 100, 1), png_bytes(48, 100, 3)
+    results = {}
+    for name, levers in {"split": defaults().replace(max_prefill_tokens=16),
+                         "whole": defaults().replace(max_prefill_tokens=32, image_whole=True),
+                         "budget": defaults().replace(encoder_budget=18)}.items():
+        sched, rows = engine(model, levers)
+        images = sched.images
+        prompt = list(b"see ") + images.placeholders(a) + list(b" and ") + images.placeholders(b) + list(b"?")
+        keys = (images.store.put(a), images.store.put(b))
+        request = sched.submit(0, prompt, GREEDY, features=RequestFeatures(images=keys))
+        run_alone(sched, request)
+        chunks = [r for r in rows if isinstance(r, ev.ChunkDecision)]
+        encoder = [r for r in rows if isinstance(r, ev.GenericEvent) and r.kind in (ev.EVENT_ENCODER_RUN,
+                                                                                        ev.EVENT_ENCODER_HIT)]
+        results[name] = (list(request.output_tokens), chunks, encoder)
+    tokens, chunks, encoder = results["split"]
+    # "see " + <start> puts image a's rows at prompt 5..22, " and " + <start> image b's at 30..47.
+    assert [c.image_spans for c in chunks] == ["0#0-11", "0#11-18 1#0-2", "1#2-18", None]
+    assert [e.kind for e in encoder] == ["encoder_run", "encoder_hit", "encoder_run", "encoder_hit"]
+    assert chunks[0].encoder_ns > 0 and chunks[1].encoder_ns > 0 and chunks[2].encoder_ns == 0
+    whole_tokens, whole_chunks, _ = results["whole"]   # 32 would end inside image b: stop at 30
+    assert [(c.cap_rule, c.length, c.image_spans) for c in whole_chunks] == [
+        (ev.CAP_IMAGE_WHOLE, 30, "0#0-18"), (ev.CAP_REMAINING, 20, "1#0-18")]
+    budget_tokens, budget_chunks, _ = results["budget"]  # a's 18 rows fit the budget, b's would pass it
+    assert [(c.cap_rule, c.length) for c in budget_chunks] == [(ev.CAP_ENCODER_BUDGET, 30), (ev.CAP_REMAINING, 20)]
+    assert tokens == whole_tokens == budget_tokens
