@@ -22,7 +22,7 @@ class ImageError(ValueError):
 @dataclass(frozen=True)
 class ImageLimits:
     max_images: int = 4              # per request
-    max_bytes: int = 4 * 1024 * 1024  # per encoded image
+    max_bytes: int = 512 * 1024      # per encoded image (base64 makes it 4/3 of that: under the 1 MiB body)
     max_pixels: int = 4096 * 4096    # per decoded image, before resizing
 
 
