@@ -11,6 +11,8 @@ from pathlib import Path
 
 from engine.multimodal.limits import content_hash
 
+IMAGES_DIR = "images"   # a run directory's images (and a bundle's members images/<hash>)
+
 
 class ImageStore:
     def __init__(self, directory: Path | None = None):

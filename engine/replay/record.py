@@ -44,6 +44,7 @@ class RecordedRun:
     ticks: list[ev.Tick]
     tokens: list[ev.TokenEvent]
     source: str = ""                          # the file this came from (for messages)
+    images: dict[str, bytes] = field(default_factory=dict)   # content hash -> bytes of the requests' images
     notes: list[str] = field(default_factory=list)
 
     @property

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from engine.multimodal.image_store import ImageStore
+from engine.multimodal.image_store import IMAGES_DIR, ImageStore
 from engine.distributed import launch, serve_ranks
 from engine.distributed.group import StartMismatch
 from engine.distributed.worker import EXIT_RANK_FAILURE
@@ -40,7 +40,6 @@ from telemetry.writer import TelemetryWriteError, TelemetryWriter
 from telemetry import events as ev
 
 log = logging.getLogger("chunkscope.serve")
-IMAGES_DIR = "images"   # the run's images by content hash (engine/multimodal/image_store.py)
 IDLE_SLEEP_S = 0.02
 DONE_KEPT = 1024  # ended requests held in memory by an endless server (their rows are in SQLite)
 

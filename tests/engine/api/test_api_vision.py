@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from api_server_helpers import started_server
-from serve_process import stop, wait_for
+from serve_process import kill_quietly, stop, wait_for
 from engine.api.chat_template import ChatTemplate
 from engine.model.embedded import checkpoint_dir_of
 from engine.model.loader import load_tokenizer
@@ -29,7 +29,7 @@ def vl_server(tmp_path_factory):
     server = started_server(tmp_path_factory.mktemp("api-vl"), "--model", "tiny-vl", "--kv-blocks", "64",
                             env_extra={"CHUNKSCOPE_SSM_TAIL_CKPT": "1"})
     yield server
-    stop(server.proc)
+    kill_quietly(server.proc)   # the replay test stops it cleanly first
 
 
 def solid_png(height: int, width: int) -> bytes:
@@ -111,3 +111,25 @@ def test_bad_images_are_400s_naming_the_problem_and_reach_no_forward(vl_server, 
         vl_server.client().chat.completions.create(model="tiny-vl", max_tokens=2,
                                                    messages=[{"role": "user", "content": content}])
     assert vl_server.rows("SELECT count(*) AS n FROM requests")[0]["n"] == before
+
+
+def test_the_served_run_with_images_replays_decision_and_token_identical(vl_server, tmp_path):
+    """Last in this module: the server stops, its run (images, hits, rejected bad images) is exported
+    and replayed from the bundle, the images found by content hash inside it."""
+    import zipfile
+
+    from engine.replay.compare import compare
+    from engine.replay.rerun import load_input, replay_run
+    from telemetry.bundle_export import export_bundle
+
+    status, stderr = stop(vl_server.proc)
+    assert status == 0, stderr
+    bundle = export_bundle(vl_server.db, tmp_path / "bundle.zip").path
+    with zipfile.ZipFile(bundle) as archive:
+        images = sorted(n for n in archive.namelist() if n.startswith("images/"))
+    assert len(images) == 2   # the two distinct images of the first test, once each
+    recorded, _ = load_input(str(bundle))
+    assert sorted(recorded.images) == [n[len("images/"):] for n in images]
+    report = compare(recorded, replay_run(recorded, model="tiny-vl"))
+    assert report["first_divergence"] is None, report["first_divergence"]
+    assert report["decisions_identical"] and report["tokens_identical"]
