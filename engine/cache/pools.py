@@ -79,20 +79,29 @@ class CachePools:
 
     # ---- sequence lifetime ------------------------------------------------------------
     def admit(self, seq: SequenceState) -> None:
-        """Give ``seq`` an SSM slot with zero state (raises SSMPoolExhausted when none is free)."""
+        """Give ``seq`` an SSM slot with zero state (raises SSMPoolExhausted when none is free); its
+        images stay in the encoder cache while it holds the slot."""
         if seq.ssm_slot is None:
             seq.ssm_slot = self.ssm.allocate()
+            self._hold_images(seq, self.encoder.acquire if self.encoder is not None else None)
         else:
             self.ssm.zero(seq.ssm_slot)
         seq.mtp_hidden = None
 
     def release(self, seq: SequenceState) -> None:
-        """Free the sequence's KV blocks and SSM slot."""
+        """Free the sequence's KV blocks and SSM slot (and its hold on its images' encoder rows)."""
         self.blocks.free(seq)
         seq.mtp_hidden = None
         if seq.ssm_slot is not None:
             self.ssm.free(seq.ssm_slot)
             seq.ssm_slot = None
+            self._hold_images(seq, self.encoder.release if self.encoder is not None else None)
+
+    @staticmethod
+    def _hold_images(seq: SequenceState, change) -> None:
+        if change is not None and seq.images is not None:
+            for span in seq.images.spans:
+                change(span.image.content_hash)
 
     def normalize(self, seq: SequenceState, max_norm: float = 1e4) -> bool:
         """Bound the sequence's SSM state norms (after a prefill chunk); True when it acted."""

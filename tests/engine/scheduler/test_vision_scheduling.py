@@ -132,3 +132,19 @@ def test_image_levers_cap_chunks_and_rows_show_spans_and_encoder_events(vl):
     budget_tokens, budget_chunks, _ = results["budget"]  # a's 18 rows fit the budget, b's would pass it
     assert [(c.cap_rule, c.length) for c in budget_chunks] == [(ev.CAP_ENCODER_BUDGET, 30), (ev.CAP_REMAINING, 20)]
     assert tokens == whole_tokens == budget_tokens
+
+
+def test_a_prefilling_request_holds_its_image_in_a_full_encoder_cache(vl):
+    """An encoder cache too small for two images: the split image of the running prompt stays (the
+    tower runs once for it), the finished one's image is evicted."""
+    model, _ = vl
+    sched, _ = engine(model, defaults().replace(max_prefill_tokens=16))
+    sched.pools.encoder.capacity_rows = 20   # one 18-row image
+    cache = sched.pools.encoder
+    first = image_request(sched, 0, png_bytes(48, 100, 1))
+    run_alone(sched, first)
+    assert (cache.misses, cache.hits, cache.refs) == (1, 1, {})
+    second = image_request(sched, 1, png_bytes(48, 100, 2))
+    run_alone(sched, second)
+    assert (cache.misses, cache.hits, cache.evictions) == (2, 2, 1) and list(cache.entries) == [
+        second.features.images[0]]
