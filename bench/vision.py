@@ -16,7 +16,6 @@ chunk rows' ``encoder_ns`` and ``duration_ns``) in the no-cache configuration.
 from __future__ import annotations
 
 import argparse
-import io
 import statistics
 import sys
 from pathlib import Path
@@ -26,7 +25,6 @@ from pathlib import Path
 if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
     sys.path.pop(0)
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
@@ -35,6 +33,7 @@ from engine.model.embedded import checkpoint_dir_of  # noqa: E402
 from engine.model.loader import load_model  # noqa: E402
 from engine.model.runner import ModelRunner  # noqa: E402
 from engine.multimodal.request_images import RequestImages  # noqa: E402
+from engine.multimodal.seeded_image import seeded_png  # noqa: E402
 from engine.scheduler.loop import Scheduler  # noqa: E402
 from engine.scheduler.request_features import RequestFeatures  # noqa: E402
 from engine.serve.driver import TickDriver  # noqa: E402
@@ -42,18 +41,6 @@ from telemetry import events as ev  # noqa: E402
 from telemetry.levers import defaults  # noqa: E402
 
 CONFIGS = ("cache", "no_cache")
-
-
-def test_image(size: int) -> bytes:
-    """A seeded RGB PNG of ``size`` x ``size`` pixels (gradients plus noise)."""
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    ys, xs = np.mgrid[0:size, 0:size]
-    pixels = np.stack([xs, ys, (xs + ys) // 2], axis=-1) * 255.0 / size + rng.normal(0, 30, (size, size, 3))
-    out = io.BytesIO()
-    Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(out, format="PNG")
-    return out.getvalue()
 
 
 def run_config(model, directory: Path, data: bytes, repeats: int, keep_cache: bool) -> tuple[list[float], int, int]:
@@ -93,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     model, _, _ = load_model(directory, dtype=dtype)
     if model.visual is None:
         raise SystemExit(f"--model {args.model}: no vision tower")
-    data = test_image(args.image_size)
+    data = seeded_png(args.image_size, args.image_size, 0)
     tokens = RequestImages.for_model(model, directory).prepare(data).num_tokens
     print(f"CPU: {cpu_model()} | dtype: {str(dtype).removeprefix('torch.')} | threads: {args.threads}")
     print(f"model {args.model}: image {args.image_size}x{args.image_size} px -> {tokens} placeholder tokens; "

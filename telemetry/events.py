@@ -173,6 +173,7 @@ class ChunkDecision(Event):
     slice_budget_ignored: bool = False  # the MLA whole-prompt rule ran past the slice budget in force
     image_spans: str | None = None      # image placeholder rows the chunk covered: "image#first-end", space-separated
     encoder_ns: int | None = None       # the vision tower's time inside this chunk's forward
+    ep_vision_sync_ns: int | None = None  # under expert parallelism: rank 0's broadcast of the image rows
 
 
 @dataclass

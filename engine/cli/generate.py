@@ -242,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
     if args.ep > 1:
         if args.speculation is not None:
             raise ValueError("--speculation: not with --ep in generate (serve --ep runs speculation)")
-        result = _generate_ep(args, model, tokenizer, prompt, params)
+        result = _generate_ep(args, model, tokenizer, prompt, params, images)
         if isinstance(result, int):  # a rank > 0 under torchrun: it ran the forwards, rank 0 prints
             return result
     elif args.speculation is None:
@@ -274,8 +274,8 @@ def _with_images(args: argparse.Namespace, model, prompt: list[int]):
     from engine.multimodal.limits import ImageError
     from engine.multimodal.request_images import RequestImages
 
-    if args.ep > 1 or args.speculation is not None:
-        raise ValueError("--image: not with --ep or --speculation in generate")
+    if args.speculation is not None:
+        raise ValueError("--image: not with --speculation in generate")
     images = RequestImages.for_model(model, checkpoint_dir_of(args.model))
     if images is None:
         raise ValueError(f"--image: {args.model} has no vision tower (try --model tiny-vl)")
@@ -294,7 +294,7 @@ def _with_images(args: argparse.Namespace, model, prompt: list[int]):
 
 
 def _generate_ep(args: argparse.Namespace, model, tokenizer, prompt: list[int],
-                 params: SamplingParams) -> dict | int:
+                 params: SamplingParams, images=None) -> dict | int:
     """``--ep N``: every rank runs the forwards; rank 0 samples. A rank > 0 returns its exit status."""
     from engine.distributed.worker import run_rank
     from engine.serve.engine_setup import checkpoint_hash
@@ -315,7 +315,7 @@ def _generate_ep(args: argparse.Namespace, model, tokenizer, prompt: list[int],
     failed = True
     try:
         result = generate(model, tokenizer, prompt, params, stop_at_eos=not args.ignore_eos, runner=runner,
-                          grammar=grammar_from_args(args))
+                          grammar=grammar_from_args(args), images=images)
         failed = False
     finally:
         ep.close(failed)

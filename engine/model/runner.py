@@ -88,6 +88,11 @@ class ModelRunner:
         return getattr(self.model, "last_broadcast_ns", None)
 
     @property
+    def ep_vision_sync_ns(self) -> int | None:
+        """Rank 0's broadcast of the last forward's image rows under expert parallelism, else None."""
+        return getattr(self.model, "last_vision_sync_ns", None)
+
+    @property
     def encoder_cache(self) -> EncoderCache | None:
         return self.pools.encoder
 

@@ -38,6 +38,7 @@ def account(plan: TickPlan, out: TickOutput, ctx: TickContext, queues: Queues, p
         row.duration_ns = ctx.now_ns() - out.chunk_start_ns
         if row.outcome in ev.COMPUTED_OUTCOMES:
             row.ep_broadcast_ns = runner.ep_broadcast_ns  # None without expert parallelism
+            row.ep_vision_sync_ns = runner.ep_vision_sync_ns  # None without image rows under it
             num_prefill = plan.chunk.chunk.length
             _image_columns(ctx, row, runner.last_image_spans, runner.encoder_cache, plan.chunk.request)
         ctx.emit(row)

@@ -53,10 +53,14 @@ class EngineSetup:
 
     @property
     def special_ids(self) -> set[int]:
-        """Token ids a workload must not draw for prompt text (EOS, think, tool-call, fence)."""
+        """Token ids a workload must not draw for prompt text (EOS, think, tool-call, fence, image tokens)."""
         names = ("eos_token_id", "think_start_id", "think_end_id", "tool_call_start_id",
                  "tool_call_end_id", "code_fence_id")
-        return {i for i in (getattr(self.model, n, None) for n in names) if i is not None}
+        ids = {i for i in (getattr(self.model, n, None) for n in names) if i is not None}
+        vision = getattr(self.model, "vision_config", None)
+        if vision is not None:   # a stray placeholder token would not match the request's images
+            ids |= {vision.image_token_id, vision.vision_start_token_id, vision.vision_end_token_id}
+        return ids
 
 
 def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: LeverValues,

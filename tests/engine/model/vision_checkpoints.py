@@ -2,12 +2,10 @@
 transformers' save_pretrained (dense and MoE), and seeded test images of different sizes."""
 from __future__ import annotations
 
-import io
-
-import numpy as np
 import torch
 
 from engine.model.tiny import perturb_parameters
+from engine.multimodal.seeded_image import seeded_png
 
 TEXT = dict(vocab_size=96, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
@@ -54,14 +52,5 @@ def build_vl_checkpoint(name: str, directory_factory):
 
 
 def png_bytes(height: int, width: int, seed: int) -> bytes:
-    """A seeded RGB PNG: smooth gradients plus noise, so resizing has something to round."""
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    ys, xs = np.mgrid[0:height, 0:width]
-    base = np.stack([xs * 255 / max(width - 1, 1), ys * 255 / max(height - 1, 1),
-                     (xs + ys) * 127 / max(height + width - 2, 1)], axis=-1)
-    pixels = np.clip(base + rng.normal(0, 40, base.shape), 0, 255).astype(np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, format="PNG")
-    return out.getvalue()
+    """A seeded RGB PNG (``engine/multimodal/seeded_image.py``)."""
+    return seeded_png(height, width, seed)
