@@ -164,8 +164,7 @@ LEVERS: tuple[Lever, ...] = (
           "Vision checkpoints: never end a chunk inside an image's placeholder tokens; the chunk stops "
           "before the image instead (an image longer than the chunk cap is still split). Off, chunks "
           "split images and take their rows' slice of the cached embeddings. Watch: chunks with cap "
-          "image_whole, image spans on chunk rows.",
-          ),
+          "image_whole, image spans on chunk rows."),
 )
 LEVERS_BY_NAME: dict[str, Lever] = {lever.name: lever for lever in LEVERS}
 

@@ -266,31 +266,23 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _with_images(args: argparse.Namespace, model, prompt: list[int]):
-    """``--image PATH``: (each image's placeholder tokens, then the prompt; its ``PromptImages``), or
-    (prompt, None) without images. A file that is missing or not a usable image is a one-line error."""
+    """``--image PATH``: (the images' placeholders, then the prompt; its ``PromptImages``), or (prompt, None)."""
     if not args.image:
         return prompt, None
     from engine.model.embedded import checkpoint_dir_of
     from engine.multimodal.limits import ImageError
     from engine.multimodal.request_images import RequestImages
 
-    if args.speculation is not None:
-        raise ValueError("--image: not with --speculation in generate")
     images = RequestImages.for_model(model, checkpoint_dir_of(args.model))
-    if images is None:
-        raise ValueError(f"--image: {args.model} has no vision tower (try --model tiny-vl)")
-    tokens, hashes = [], []
-    for path in args.image:
-        try:
-            data = Path(path).read_bytes()
-            tokens += images.placeholders(data)
-        except OSError as exc:
-            raise ValueError(f"--image {path}: {exc.strerror or exc}") from None
-        except ImageError as exc:
-            raise ValueError(f"--image {path}: {exc}") from None
-        hashes.append(images.store.put(data))
-    prompt = tokens + prompt
-    return prompt, images.prompt_images(prompt, hashes)
+    if images is None or args.speculation is not None:
+        raise ValueError(f"--image: {args.model} has no vision tower (try --model tiny-vl)" if images is None
+                         else "--image: not with --speculation in generate")
+    try:
+        return images.prepend(prompt, [Path(path).read_bytes() for path in args.image])
+    except OSError as exc:
+        raise ValueError(f"--image {exc.filename}: {exc.strerror or exc}") from None
+    except ImageError as exc:
+        raise ValueError(f"--image: {exc}") from None
 
 
 def _generate_ep(args: argparse.Namespace, model, tokenizer, prompt: list[int],

@@ -138,7 +138,6 @@ class ModelRunner:
             logits = self._compiled_logits(decodes, grown)  # [B, V]
         else:
             batch = build_batch(prefill, decodes, self.kv_block_size, self.device)
-            self.last_image_spans = self._attach_images(batch, prefill_seq, offset, length, decode_seqs, grown)
             if capture_at is not None:
                 capture = SSMCapture(num_rows=capture_at - offset)
                 batch.ssm_capture = capture  # read by every GatedDeltaNet layer of this forward
@@ -165,17 +164,6 @@ class ModelRunner:
     def decode(self, seqs: list[SequenceState], tokens: list[int]) -> torch.Tensor:
         """One token per sequence (a standalone caller's shorthand for ``forward``); logits [B, V]."""
         return self.forward(ForwardBatch.decode(seqs, tokens)).decode_logits
-
-    def _attach_images(self, batch, prefill_seq, offset, length, decode_seqs, grown) -> list:
-        """M-RoPE positions and image embeddings for ``batch`` (``chunk_inputs.attach_images``)."""
-        if self.encoder_cache is None:
-            return []
-        try:
-            return attach_images(batch, prefill_seq, offset, length, decode_seqs, self.model.visual,
-                                 self.encoder_cache)
-        except Exception:
-            self.pools.undo(grown)
-            raise
 
     def _may_compile(self, rows: int) -> bool:
         """A decode-only forward the compiled step serves: no fault hook, no MTP rows, a bucket that fits."""
@@ -216,6 +204,10 @@ class ModelRunner:
                                                                                     device=self.device)
         self.pools.kv_store.begin_forward(batch.num_prefill_tokens)  # InnerQ calibrates on prefill keys
         try:
+            if self.pools.encoder is not None:   # M-RoPE positions and the tower's rows (chunk_inputs.py)
+                offset = prefill_seq.num_cached_tokens if prefill_seq is not None else 0
+                self.last_image_spans = attach_images(batch, prefill_seq, offset, batch.num_prefill_tokens,
+                                                      decode_seqs, self.model.visual, self.pools.encoder)
             if self.fault is None:
                 return self._model_and_mtp(batch, row_ids, prefill_seq, decode_seqs)
             kind = KIND_DECODE if prefill_seq is None else KIND_MIXED if decode_seqs else KIND_PREFILL

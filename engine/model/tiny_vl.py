@@ -8,6 +8,7 @@ The text part is sized like ``tiny`` (no MTP module); the tower has 2 blocks of 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from functools import partial
 from pathlib import Path
@@ -15,21 +16,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from engine.model.config import ModelConfig
 from engine.model.qwen3_5 import Qwen35ForCausalLM
-from engine.model.tiny import ensure_cached_checkpoint, random_init, tokenizer_tokens
+from engine.model.tiny import TINY_CONFIG, ensure_cached_checkpoint, random_init, tokenizer_tokens
 from engine.model.tokenizer import EOS, VISION_TOKENS, build_byte_tokenizer
 from engine.model.vision import attach_vision
 from engine.model.vision_config import VisionConfig, wrap_text_config
 
 TINY_VL_VERSION = 1  # bump when the config or the init changes, so caches are rebuilt
 TINY_VL_SEED = 5150
-TINY_VL_CONFIG = ModelConfig(
-    vocab_size=272, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
-    linear_conv_kernel_dim=4, tie_word_embeddings=False, eos_token_id=256,
-)
+# The text part of ``tiny`` without its MTP module (not run with images: docs/vision.md).
+TINY_VL_CONFIG = dataclasses.replace(TINY_CONFIG, mtp_num_hidden_layers=0)
 # Vision tokens follow the chat tokens of the byte tokenizer: ids 266, 267, 268.
 TINY_VL_VISION = VisionConfig(
     depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128, num_position_embeddings=64,

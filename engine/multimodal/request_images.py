@@ -63,12 +63,15 @@ class RequestImages:
             prepared.append(self.prepare(data))
         return PromptImages.build(prompt, prepared, self.vision.image_token_id)
 
+    def prepend(self, prompt: Sequence[int], images: Sequence[bytes]) -> tuple[list[int], PromptImages]:
+        """(each image's placeholders, then ``prompt``; its ``PromptImages``), the images kept in the store."""
+        tokens: list[int] = []
+        for data in images:
+            tokens += self.placeholders(data)
+        tokens += prompt
+        return tokens, self.prompt_images(tokens, [self.store.put(data) for data in images])
+
     def placeholders(self, data: bytes) -> list[int]:
         """The prompt tokens that stand for the image ``data``: start, one pad per embedding row, end."""
         v = self.vision
         return placeholder_tokens(self.prepare(data), v.vision_start_token_id, v.image_token_id, v.vision_end_token_id)
-
-
-def refuse_images_without_tower(hashes: Sequence[str], images: RequestImages | None) -> None:
-    if hashes and images is None:
-        raise ImageError("this model takes no images (its checkpoint has no vision tower)")

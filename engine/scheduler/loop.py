@@ -26,7 +26,7 @@ from engine.cache.prefix_pool import PrefixPool
 from engine.scheduler import grammar_step
 from engine.scheduler.account import account
 from engine.scheduler.adaptive import region_of
-from engine.scheduler.admission import (RequestRejected, check_features, check_prompt, mark_rejected,
+from engine.scheduler.admission import (RequestRejected, check_features, check_images, check_prompt, mark_rejected,
                                         parse_sampling, recorded_spec, rejected_request, whole_prompt_refusal)
 from engine.scheduler.admit import admit
 from engine.scheduler.chunk_plan import whole_prompt_rule
@@ -37,8 +37,7 @@ from engine.scheduler.plan import KIND_IDLE, plan_tick
 from engine.scheduler.queues import Queues
 from engine.scheduler.request import Request
 from engine.scheduler.request_features import RequestFeatures
-from engine.multimodal.limits import ImageError
-from engine.multimodal.request_images import RequestImages, refuse_images_without_tower
+from engine.multimodal.request_images import RequestImages
 from engine.scheduler.sample import sample
 from engine.scheduler.streams import EVENT_PREFILL_DONE, STREAM_DEFAULT, STREAM_PREFILL, StreamSet
 from engine.spec.kinds import SPEC_MTP
@@ -215,7 +214,7 @@ class Scheduler:
             tokens = check_prompt(prompt_tokens, vocab_size=self.runner.vocab_size,
                                   max_context=self.max_context, num_usable_blocks=bm.num_blocks,
                                   block_size=bm.block_size, max_tokens=params.max_tokens)
-            prompt_images = self._prompt_images(tokens, feats.images)
+            prompt_images = check_images(tokens, feats.images, self.images)
             if whole_prompt_rule(self.traits.is_mla, self.levers.mla_chunked_prefill):
                 refusal = whole_prompt_refusal(len(tokens), self.levers.max_tick_tokens)
                 if refusal is not None:  # at once; admission checks again after a lever change
@@ -238,16 +237,6 @@ class Scheduler:
         self.queues.waiting.append(request)
         self.context().emit_request(request, "arrived")
         return request
-
-    def _prompt_images(self, tokens: list[int], hashes: tuple[str, ...]):
-        """The prompt's ``PromptImages`` (None without images), or RequestRejected naming the problem."""
-        if not hashes:
-            return None
-        try:
-            refuse_images_without_tower(hashes, self.images)
-            return self.images.prompt_images(tokens, hashes)
-        except ImageError as exc:
-            raise RequestRejected(f"features.images: {exc}") from None
 
     def _reject(self, request: Request, message: str) -> Request:
         mark_rejected(request, message)

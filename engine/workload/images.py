@@ -22,7 +22,7 @@ def with_images(specs: Iterable[RequestSpec], images: RequestImages, share: floa
     """``specs`` with an image prepended to a seeded ``share`` of them (lazy: endless workloads too)."""
     rng = random.Random(seed * 1_000_003 + 28)
     pool = [seeded_png(*IMAGE_SIZE, seed * 31 + i) for i in range(NUM_IMAGES)]
-    placeholders = [images.placeholders(data) for data in pool]
+    placeholders = [images.placeholders(data) for data in pool]   # the store keeps each image once
     keys = [images.store.put(data) for data in pool]
     for spec in specs:
         if rng.random() >= share:
