@@ -89,7 +89,8 @@ def timeline_spec(db: str, run_id: int, version: Version, window_s: float) -> st
     cap = queries_live.MAX_STREAM_EVENTS if win.stream_events_capped else None
     return charts.timeline_json(win.forwards, win.stream_events, win.links, win.preemptions, win.lever_changes,
                                 (win.start_ms, win.end_ms), stream_events_cap=cap,
-                                kv_quant_changes=win.kv_quant_changes, rank_forwards=win.rank_forwards)
+                                kv_quant_changes=win.kv_quant_changes, rank_forwards=win.rank_forwards,
+                                encoder=win.encoder)
 
 
 @st.cache_data(max_entries=_ENTRIES, show_spinner=False)

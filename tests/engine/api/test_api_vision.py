@@ -94,6 +94,12 @@ def test_streams_then_the_same_image_hits_and_another_image_does_not(vl_server):
     # Same size, same placeholder ids, another image: no hit reaches its rows, and the tower runs.
     image_start = len(text) + 7   # <|im_start|> "user\n" (5 bytes) text <|vision_start|>
     assert rows[2]["prefix_hit_tokens"] <= image_start and events[2][0] == ev.EVENT_ENCODER_RUN
+    # The Live timeline's encoder lane reads the same events.
+    from dashboard.queries.live import timeline_window
+
+    run_id = vl_server.rows("SELECT run_id FROM runs")[0]["run_id"]
+    window = timeline_window(vl_server.db, run_id, 3600.0)
+    assert set(window.encoder["kind"]) == {ev.EVENT_ENCODER_RUN, ev.EVENT_ENCODER_HIT}
 
 
 @pytest.mark.parametrize("content, message", [
