@@ -19,7 +19,7 @@ MAX_SSM_SLOTS = 4096
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("serve", help="run the engine in the background, writing telemetry")
-    p.add_argument("--model", default="tiny", help="an embedded model (tiny: the default, tiny-moe, tiny-kimi) or a checkpoint directory")
+    p.add_argument("--model", default="tiny", help="an embedded model (tiny: the default, tiny-moe, tiny-kimi, tiny-vl) or a checkpoint directory")
     p.add_argument("--run-dir", required=True, help="directory for telemetry.db and levers.json")
     p.add_argument("--workload", default="synthetic",
                    help="synthetic | multiturn | trace:PATH | bundle:PATH | none (API traffic only; default synthetic)")

@@ -15,7 +15,7 @@ from engine.model import mtp_feed
 from engine.model.gdn import SSMCapture
 from engine.model.qwen3_5 import Qwen35ForCausalLM
 from engine.model.roofline import ForwardCost, forward_cost
-from engine.multimodal.chunk_inputs import attach_images
+from engine.multimodal.chunk_inputs import attach_images, shift_past_prompt
 from engine.multimodal.encoder_cache import EncoderCache
 from engine.cache.sequence import SequenceState
 
@@ -251,6 +251,7 @@ class ModelRunner:
             for step in range(num_drafts):
                 batch = build_batch(None, [(token, seq.num_cached_tokens + step, seq.block_table, seq.ssm_slot)],
                                     self.kv_block_size, self.device)
+                shift_past_prompt(batch, seq)
                 logits = self.model(batch, self.pools.kv_store, self.pools.ssm, exit_after=num_layers)  # [1, V]
                 token = int(logits[0].argmax())
                 drafts.append(token)

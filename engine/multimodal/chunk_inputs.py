@@ -44,3 +44,10 @@ def attach_images(batch: PackedBatch, prefill_seq: SequenceState | None, offset:
         batch.image_rows = torch.cat(rows).to(device)
         batch.image_embeds = torch.cat(pieces)
     return covered
+
+
+def shift_past_prompt(batch: PackedBatch, seq: SequenceState) -> None:
+    """A forward whose rows are all ``seq``'s tokens past its prompt (a speculative verify or draft):
+    with images, each row sits at its index plus the prompt's delta on all three axes."""
+    if seq.images is not None:
+        batch.rope_positions = (batch.positions + seq.images.delta)[None, :].expand(3, -1)

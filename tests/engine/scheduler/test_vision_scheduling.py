@@ -148,3 +148,22 @@ def test_a_prefilling_request_holds_its_image_in_a_full_encoder_cache(vl):
     run_alone(sched, second)
     assert (cache.misses, cache.hits, cache.evictions) == (2, 2, 1) and list(cache.entries) == [
         second.features.images[0]]
+
+
+def test_a_verify_forward_past_an_image_prompt_equals_a_decode_step(vl):
+    """Verify (and draft) forwards sit past the prompt: with images, at index + delta (M-RoPE), as decode."""
+    from engine.cache.sequence import SequenceState
+    from engine.spec.verify import verify_forward
+
+    model, _ = vl
+    images = RequestImages.for_model(model, checkpoint_dir_of("tiny-vl"))
+    data = png_bytes(48, 100, 1)
+    prompt, prompt_images = images.prepend(list(b"what is it?"), [data])
+    rows = []
+    for step in ("decode", "verify"):
+        runner = ModelRunner.build(model, num_kv_blocks=8, num_ssm_slots=1)
+        seq = SequenceState(0, images=prompt_images)
+        runner.pools.admit(seq)
+        token = int(runner.prefill_chunk(seq, prompt, 0, len(prompt), True).argmax())
+        rows.append(runner.decode([seq], [token])[0] if step == "decode" else verify_forward(runner, seq, [token]).logits[0])
+    assert prompt_images.delta < 0 and (rows[0] - rows[1]).abs().max().item() < 1e-4
