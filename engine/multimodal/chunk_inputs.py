@@ -49,5 +49,6 @@ def attach_images(batch: PackedBatch, prefill_seq: SequenceState | None, offset:
 def shift_past_prompt(batch: PackedBatch, seq: SequenceState) -> None:
     """A forward whose rows are all ``seq``'s tokens past its prompt (a speculative verify or draft):
     with images, each row sits at its index plus the prompt's delta on all three axes."""
-    if seq.images is not None:
-        batch.rope_positions = (batch.positions + seq.images.delta)[None, :].expand(3, -1)
+    images = getattr(seq, "images", None)   # callers may pass a bare stand-in with the cache fields only
+    if images is not None:
+        batch.rope_positions = (batch.positions + images.delta)[None, :].expand(3, -1)
