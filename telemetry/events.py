@@ -85,6 +85,11 @@ EVENT_ENCODER_HIT = "encoder_hit"      # an image's rows came from the encoder c
 # ``GenericEvent.kind`` of the reason a run ended ``failed`` (detail: reason), e.g. expert-parallel ranks
 # that disagreed on their dtype at the start handshake, or a collective that failed mid-run.
 EVENT_RUN_FAILED = "run_failed"
+# ``GenericEvent.kind`` when no step is possible with work waiting (detail: blocker, num_waiting), and
+# when work moves again (detail: the blocker that was): engine/serve/stall_watch.py. Ticks stop in
+# between, so these two are the blocked time's only record (the Live timeline, the replay report).
+EVENT_STALLED = "stalled"
+EVENT_STALL_CLEARED = "stall_cleared"
 
 
 @dataclass
@@ -221,7 +226,7 @@ class RequestRecord(Event):
     prompt_tokens: list[int] = field(default_factory=list)
     output_tokens: list[int] = field(default_factory=list)
     conversation_id: int | None = None
-    source: str | None = None           # api / workload
+    source: str | None = None           # api / workload / replay (a recorded workload served again)
     features: dict[str, Any] = field(default_factory=dict)  # thinking, tool call, stop strings, logprobs
     first_token_rules: str | None = None  # the first-token rules that fired, comma-separated
     grammar: dict[str, Any] | None = None   # {"kind", "value"[, "after_think"]}: what the output obeys

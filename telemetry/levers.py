@@ -12,12 +12,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 MAX_FILE_BYTES = 64 * 1024
 ENV_PREFIX = "CHUNKSCOPE_"
+MAX_INT_DIGITS = 19           # every bound fits in 2**63 - 1; longer text is out of range before int() sees it
 
 SPECULATION_CHOICES = ("off", "ngram", "mtp", "self")
 PREEMPT_POLICIES = ("most_blocks", "newest", "fewest_output")
@@ -63,6 +65,14 @@ class Lever:
                 return False
             raise LeversError(f"lever {self.name}: {text!r} is not a boolean (use 1/0, true/false)")
         if self.type is int:
+            # int() also takes '٣٢', '３２' and '1_000'; a lever value is plain ASCII digits
+            if not re.fullmatch(r"[+-]?[0-9]+", raw):
+                raise LeversError(f"lever {self.name}: {text!r} is not an integer (ASCII digits 0-9 only, "
+                                  f"no '_' or ',')")
+            if len(raw.lstrip("+-").lstrip("0")) > MAX_INT_DIGITS:   # int() of 5,000 digits raises
+                raise LeversError(f"lever {self.name}: a {len(raw):,}-digit value is outside "
+                                  f"[{self.bounds[0]}, {self.bounds[1]}]" if self.bounds else
+                                  f"lever {self.name}: a {len(raw):,}-digit value is too large")
             try:
                 return self.check(int(raw, 10))
             except ValueError as exc:

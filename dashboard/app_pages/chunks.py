@@ -9,7 +9,7 @@ from dashboard.queries import data
 from dashboard.panels import tables
 from dashboard.context import RunContext
 from dashboard.queries.chunks import BLOCKERS, CAP_RULES, NEWEST_SCOPE, PATHS, ChunkFilter
-from dashboard.queries.requests import BadSearch, parse_request_id
+from dashboard.queries.ids import BadSearch, parse_ids
 
 TABLE_LIMIT = 500
 
@@ -18,17 +18,17 @@ st.title("Chunks")
 
 def read_filter(min_tick: int | None) -> ChunkFilter | None:
     cols = st.columns(4)
-    request = cols[0].text_input("request id", key="chunks_request", placeholder="any")
+    request = cols[0].text_input("request ids", key="chunks_request", placeholder="any · 12 · 3, 7 · 10-20",
+                                 help="ids, ranges or the id the API returned (chatcmpl-…-12), as on Requests")
     paths = cols[1].multiselect("path", PATHS, key="chunks_path")
     caps = cols[2].multiselect("cap rule", CAP_RULES, key="chunks_cap")
     blockers = cols[3].multiselect("can-mix blocker", BLOCKERS, key="chunks_blocker")
-    request = request.strip()
     try:
-        request_id = parse_request_id(request) if request else None
+        requests = parse_ids(request)
     except BadSearch as exc:
-        st.error(str(exc))
+        st.error(f"request ids: {exc}")
         return None
-    return ChunkFilter(request_id, tuple(paths), tuple(caps), tuple(blockers), min_tick)
+    return ChunkFilter(requests, tuple(paths), tuple(caps), tuple(blockers), min_tick)
 
 
 def render(ctx: RunContext) -> None:

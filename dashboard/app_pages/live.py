@@ -92,9 +92,10 @@ def render_now(ctx: RunContext) -> None:
     counters(c, now, ctx.is_running)
     if now is None and ctx.is_running and age is not None and age > context.STALE_AFTER_S:
         st.warning(f"Run {ctx.run_id} is marked running but no tick has arrived for {age:.0f} s.")
-    win = data.timeline_window(ctx.db, ctx.run_id, key, float(window_s))
+    open_end_ms = heartbeat_view.open_stall_end_ms(now)     # a stall still open is drawn up to now
+    win = data.timeline_window(ctx.db, ctx.run_id, key, float(window_s), open_end_ms)
     cap = MAX_STREAM_EVENTS if win.stream_events_capped else None
-    spec = data.timeline_spec(ctx.db, ctx.run_id, key, float(window_s))
+    spec = data.timeline_spec(ctx.db, ctx.run_id, key, float(window_s), open_end_ms)
     clicked = live_timeline.render(spec, key="live_timeline", revision=end_ns)   # stays mounted: zoom kept
     open_clicked_request(ctx, clicked)
     mode = "bucketed into WebGL segments" if win.is_bucketed else "one bar per forward"
@@ -102,6 +103,8 @@ def render_now(ctx: RunContext) -> None:
                f"{mode}; {len(win.stream_events)} stream events{' (capped: newest only)' if cap else ''}, "
                f"{len(win.preemptions)} preemptions, "
                f"{len(win.lever_changes)} lever changes"
+               + (f", blocked {sum(win.stalls['end_ms'] - win.stalls['start_ms']) / 1e3:.1f} s"
+                  if len(win.stalls) else "")
                + kv_gauges.kv_quant_caption(data.kv_quant_status(ctx.db, ctx.run_id, ctx.version))
                + kv_gauges.kv_kind_caption(ctx.run.get("config")))
 

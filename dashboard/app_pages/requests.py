@@ -10,7 +10,7 @@ from dashboard.panels import grammar as grammar_panel
 from dashboard.panels import tables
 from dashboard.context import RunContext
 from dashboard.lifecycle import request_phases
-from dashboard.queries.requests import MAX_LISTED, BadSearch, parse_search
+from dashboard.queries.requests import MAX_LISTED, SOURCES, BadSearch, parse_search
 from telemetry import events as ev
 
 STATUSES = ev.REQUEST_STATUSES
@@ -33,20 +33,26 @@ def follow_link() -> None:
     st.session_state[LINK_KEY] = request_id
     st.session_state["requests_search"] = str(request_id)
     st.session_state["requests_status"] = []
+    st.session_state["requests_source"] = []
 
 
 def render(ctx: RunContext) -> None:
     follow_link()
-    cols = st.columns([2, 3])
-    text = cols[0].text_input("search request ids", key="requests_search", placeholder="12 · 3, 7 · 10-20")
+    cols = st.columns([2, 3, 2])
+    text = cols[0].text_input("search request ids", key="requests_search", placeholder="12 · 3, 7 · 10-20 · chatcmpl-…",
+                              help="ids, ranges, or the id the API returned (chatcmpl-…-12: the engine's "
+                                   "request id is its suffix, also in the x-chunkscope-request-ids header)")
     statuses = cols[1].multiselect("status", STATUSES, key="requests_status")
+    sources = cols[2].multiselect("source", SOURCES, key="requests_source",
+                                  help="api: sent to the OpenAI-compatible API; workload: the built-in generator "
+                                       "or a trace; replay: a recorded workload served again (--workload bundle:PATH)")
     try:
         search = parse_search(text)
     except BadSearch as exc:
         st.error(str(exc))
         return
     counts, found, events, end_ms, errors = data.request_view(ctx.db, ctx.run_id, ctx.version, search,
-                                                             tuple(statuses))
+                                                             tuple(statuses), tuple(sources))
     total = sum(counts.values())
     st.markdown(f"**{total} requests** in run {ctx.run_id}: " +
                 (", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "none yet"))

@@ -37,14 +37,19 @@ def export_section(ctx: RunContext, run_id: int) -> None:
                "summary. Built only when you click, into the run directory's `bundles/` folder.")
     since, until = _window()
     if st.button(f"Build bundle of run {run_id}", key="bundle_build", icon=":material/archive:"):
-        with st.spinner(f"exporting run {run_id}…"):
-            try:
-                result = bundles.build_bundle(ctx.paths, run_id, since, until)
-            except (BundleError, OSError) as exc:
-                st.session_state[BUILT_KEY] = None
-                st.error(f"Bundle not built: {exc}")
-            else:
-                st.session_state[BUILT_KEY] = str(result.path)
+        bar = st.progress(0.0, text=f"exporting run {run_id}…")
+
+        def progress(step: str) -> None:
+            share, label = bundles.step_fraction(step)
+            bar.progress(share, text=f"exporting run {run_id}: {label}")
+        try:
+            result = bundles.build_bundle(ctx.paths, run_id, since, until, progress=progress)
+        except (BundleError, OSError) as exc:
+            st.session_state[BUILT_KEY] = None
+            st.error(f"Bundle not built: {exc}")
+        else:
+            st.session_state[BUILT_KEY] = str(result.path)
+        bar.empty()
     built = st.session_state.get(BUILT_KEY)
     if built:
         st.success(f"Wrote `{built}`.")
@@ -97,6 +102,10 @@ def _show_result(result: dict) -> None:
     report = result["report"]
     level, text = replay_check.headline(report)
     (st.success if level == "success" else st.warning)(text)
+    stall = report.get("stall") or {}
+    if stall.get("lines"):      # lever changes, blocked time and TTFT p99, recorded vs replayed
+        blocked = bool((stall.get("blocked_s") or {}).get("recorded"))
+        (st.warning if blocked else st.info)("  \n".join(stall["lines"]), icon=":material/timer:")
     tables.show(replay_check.request_table(report), key="replay_requests")
 
 

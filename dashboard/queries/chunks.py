@@ -12,6 +12,7 @@ from pathlib import Path
 import pandas as pd
 
 from dashboard.queries.db import placeholders, query_df, query_one
+from dashboard.queries.ids import IdSelection
 from dashboard.queries.totals import run_totals_of
 from telemetry import events as ev
 
@@ -30,7 +31,7 @@ NUM_SHARE_BUCKETS = 60
 
 @dataclass(frozen=True)
 class ChunkFilter:
-    request_id: int | None = None
+    requests: IdSelection | None = None  # None = any request (ids and ranges: dashboard/queries/ids.py)
     paths: tuple[str, ...] = ()          # empty = any
     cap_rules: tuple[str, ...] = ()
     blockers: tuple[str, ...] = ()       # may include NO_BLOCKER
@@ -41,9 +42,10 @@ class ChunkFilter:
         if self.min_tick is not None:       # a range of the (run_id, tick) index
             clauses.append("tick >= ?")
             params.append(self.min_tick)
-        if self.request_id is not None:
-            clauses.append("request_id = ?")
-            params.append(int(self.request_id))
+        if self.requests is not None:
+            where, values = self.requests.where("request_id")
+            clauses.append(where)
+            params += values
         if self.paths:
             clauses.append(f"path IN ({placeholders(self.paths)})")
             params += list(self.paths)

@@ -196,14 +196,17 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--prompt", type=str, default=None, help="prompt text (needs the model's tokenizer)")
     parser.add_argument("--image", action="append", default=[], metavar="PATH",
                         help="an image the prompt starts with (repeatable; a model with a vision tower, e.g. tiny-vl)")
-    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=16, help="tokens to generate (default 16)")
     parser.add_argument("--temperature", type=cli_args.finite_float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=cli_args.finite_float, default=1.0)
-    parser.add_argument("--min-p", type=cli_args.finite_float, default=0.0)
-    parser.add_argument("--seed", type=cli_args.seed, default=None)
+    parser.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens (0 = all)")
+    parser.add_argument("--top-p", type=cli_args.finite_float, default=1.0,
+                        help="sample from the smallest set of tokens holding this probability (1 = all)")
+    parser.add_argument("--min-p", type=cli_args.finite_float, default=0.0,
+                        help="drop tokens below this share of the likeliest one's probability (0 = none)")
+    parser.add_argument("--seed", type=cli_args.seed, default=None, help="sampling seed (default: unseeded)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="compute dtype (default float32)")
     parser.add_argument("--speculation", choices=SPECULATION_KINDS, default=None,
                         help='speculative decoding kind; adds "spec": {drafted, accepted, steps} to --json')
     k = LEVERS_BY_NAME["num_speculative_tokens"]

@@ -15,7 +15,8 @@ from engine.scheduler.json_fields import strict_kwargs
 
 SOURCE_WORKLOAD = "workload"
 SOURCE_API = "api"
-SOURCES = (SOURCE_WORKLOAD, SOURCE_API)
+SOURCE_REPLAY = "replay"   # a recorded run's workload served again (serve --workload bundle:PATH)
+SOURCES = (SOURCE_WORKLOAD, SOURCE_API, SOURCE_REPLAY)
 MAX_LOGPROBS = 20          # top-k alternatives per token (OpenAI's bound for chat top_logprobs)
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 16           # n: sibling requests of one API request

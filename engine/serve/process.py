@@ -203,6 +203,7 @@ def _status_fields(sched, writer, telemetry_error: str | None, state: str, stall
     return {
         **stall.status_fields(sched),
         "state": state, "run_id": writer.run_id if writer is not None else None, "tick": sched.tick,
+        "run_t_ns": sched.now_ns(),   # the run's clock: the Live timeline ends an open stall here
         "num_waiting": len(sched.waiting), "num_active": len(sched.active),
         "num_prefilling": int(sched.prefilling is not None), "num_done": sched.num_done,
         "num_preemptions": sched.num_preemptions,
