@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from telemetry import perfetto, snapshot
-from telemetry.bundle import BUNDLE_FORMAT, BUNDLE_MEMBERS, BundleError
+from telemetry.bundle import BUNDLE_FORMAT, BUNDLE_MEMBERS, IMAGES_PREFIX, BundleError
 from telemetry.manifest import build_manifest, sanitize_text
 from telemetry.reader import TelemetryReader
 from telemetry.ro_uri import read_only_uri
@@ -133,8 +133,10 @@ def export_bundle(db_path: str | os.PathLike, out_path: str | os.PathLike, *, ru
             raise BundleError(str(exc)) from None
         _sanitize_run_row(members["telemetry.db"], run_id, db_path.parent)
         manifest = _manifest(members, run_id, window, db_path.parent, environ, step)
+        images = _images(members["workload.jsonl"], db_path.parent / "images")
+        manifest["images"] = sorted(images)
         step("zip")
-        _write_zip(members, manifest, out_path, work)
+        _write_zip(members, manifest, out_path, work, images)
         return ExportResult(out_path, run_id, out_path.stat().st_size, manifest)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -205,7 +207,23 @@ def _manifest(members: dict[str, Path], run_id: int, window: TimeWindow, run_dir
     return {**draft, "files": files}
 
 
-def _write_zip(members: dict[str, Path], manifest: dict[str, Any], out_path: Path, work: Path) -> None:
+def _images(workload: Path, images_dir: Path) -> dict[str, Path]:
+    """hash -> file of every image the workload's requests name, from the run's ``images/``."""
+    found: dict[str, Path] = {}
+    with workload.open(encoding="utf-8") as handle:
+        for line in handle:
+            row = json.loads(line)
+            for key in (row.get("features") or {}).get("images", []):
+                path = images_dir / key
+                if not path.is_file():
+                    raise BundleError(f"request {row['request_id']} names image {key[:12]}.., which is not in "
+                                      f"{images_dir}")
+                found[key] = path
+    return found
+
+
+def _write_zip(members: dict[str, Path], manifest: dict[str, Any], out_path: Path, work: Path,
+               images: dict[str, Path] | None = None) -> None:
     members["manifest.json"].write_text(json.dumps(manifest, indent=2, default=str), encoding="utf-8")
     partial = out_path.with_name(f".{out_path.name}.partial-{os.getpid()}")
     try:
@@ -213,6 +231,8 @@ def _write_zip(members: dict[str, Path], manifest: dict[str, Any], out_path: Pat
             for name in BUNDLE_MEMBERS:
                 zf.write(members[name], name, compress_type=_COMPRESSION.get(name, zipfile.ZIP_DEFLATED),
                          compresslevel=9)
+            for key, path in sorted((images or {}).items()):   # encoded images: stored, not recompressed
+                zf.write(path, IMAGES_PREFIX + key, compress_type=zipfile.ZIP_STORED)
         os.replace(partial, out_path)
     finally:
         partial.unlink(missing_ok=True)

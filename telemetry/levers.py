@@ -99,6 +99,17 @@ LEVERS: tuple[Lever, ...] = (
           "a longer prompt can never start and is rejected with the reason instead of stalling the "
           "queue. Watch: rejected requests naming max_tick_tokens.",
           bounds=(1, 1 << 20)),
+    Lever("encoder_budget", int, 0,
+          "Vision checkpoints: the most image embedding rows the vision tower may newly encode per tick "
+          "(0: no limit). A chunk that would first cover an image past the budget stops before it (the "
+          "image at the chunk's start always runs, so prompts progress); cached images cost nothing. "
+          "Watch: chunks with cap encoder_budget, encoder_ns on chunk rows, TTFT of image prompts.",
+          bounds=(0, 1 << 20)),
+    Lever("image_whole", bool, False,
+          "Vision checkpoints: never end a chunk inside an image's placeholder tokens; the chunk stops "
+          "before the image instead (an image longer than the chunk cap is still split). Off, chunks "
+          "split images and take their rows' slice of the cached embeddings. Watch: chunks with cap "
+          "image_whole, image spans on chunk rows."),
 )
 LEVERS_BY_NAME: dict[str, Lever] = {lever.name: lever for lever in LEVERS}
 
@@ -122,6 +133,8 @@ class LeverValues:
     kv_blocks_cap: int = 0
     mla_chunked_prefill: bool = False
     max_tick_tokens: int = 4096
+    encoder_budget: int = 0
+    image_whole: bool = False
 
     def __post_init__(self) -> None:
         for name, value in self.as_dict().items():

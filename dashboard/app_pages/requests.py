@@ -17,7 +17,7 @@ STATUSES = ev.REQUEST_STATUSES
 LINK_KEY = "requests_linked_request"   # the linked request already put in the search box
 
 # prefix columns next to the prompt: a hybrid model's miss reason is the first thing to read
-TABLE_COLUMNS = ["request_id", "source", "status", "prompt_len", "prefix_hit_tokens", "prefix_hit_ratio",
+TABLE_COLUMNS = ["request_id", "source", "status", "prompt_len", "num_images", "prefix_hit_tokens", "prefix_hit_ratio",
                  "prefix_miss_reason",
                  "output_len", "ttft_ms", "e2e_ms", "finish_reason", "first_token_rules", "grammar", "error"]
 
@@ -73,6 +73,7 @@ def render(ctx: RunContext) -> None:
             "e2e_ms": st.column_config.NumberColumn("e2e (ms)", format="%.1f"),
             "prefix_hit_ratio": st.column_config.NumberColumn("prefix hit", format="percent"),
             "prefix_hit_tokens": st.column_config.NumberColumn("hit tokens"),
+            "num_images": st.column_config.NumberColumn("images"),
             "prefix_miss_reason": st.column_config.TextColumn("prefix miss reason")})
     grammar_panel.render(ctx)
     st.subheader(f"Errors and rejections ({len(errors)})")

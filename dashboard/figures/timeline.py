@@ -32,6 +32,7 @@ import plotly.graph_objects as go
 import plotly.io as pio
 
 from dashboard.figures.palette import FALLBACK_COLOR, KIND_COLORS, KIND_SYMBOLS, LEVER_COLOR, PATH_COLORS, path_color
+from dashboard.figures.encoder_lane import LANE_NAME as ENCODER_LANE, encoder_lane_traces
 from dashboard.figures.rank_lanes import empty_rank_forwards, rank_lane_traces
 from dashboard.figures.roofline_lane import roofline_trace
 from dashboard.figures.stall_band import stall_band
@@ -213,6 +214,7 @@ def timeline_dict(
     stream_events_cap: int | None = None,
     kv_quant_changes: pd.DataFrame | None = None,
     rank_forwards: pd.DataFrame | None = None,
+    encoder: pd.DataFrame | None = None,
     stalls: pd.DataFrame | None = None,
 ) -> dict:
     """Build the lane timeline as a plain Plotly figure dict (``{"data": [...], "layout": {...}}``).
@@ -225,6 +227,7 @@ def timeline_dict(
     (``start_ms``, ``end_ms``, ``blocker``, ``is_open``): spells the engine was blocked.
     ``x_range`` is in ms like the rows; the figure's x axis is in seconds.
     ``stream_events_cap``: the stream events were cut at this many; the chart says so.
+    ``encoder``: vision-tower runs and encoder-cache hits (``encoder_lane.py``), a lane below the ranks'.
     """
     is_bucketed = "end_ms" in forwards.columns
     webgl = is_bucketed or len(forwards) > WEBGL_THRESHOLD
@@ -244,6 +247,10 @@ def timeline_dict(
     rank_traces, rank_y, rank_names = rank_lane_traces(
         rank_forwards if rank_forwards is not None else empty_rank_forwards(), -1.0)
     traces += rank_traces
+    if encoder is not None and not encoder.empty:
+        encoder_y = -1.0 - len(rank_y)
+        traces += encoder_lane_traces(encoder, encoder_y)
+        rank_y, rank_names = rank_y + [encoder_y], rank_names + [ENCODER_LANE]
     stall_traces, stall_shapes, stall_notes = stall_band(stalls, LANE_Y["events"])
     traces = stall_traces + traces               # the band's bar under the markers of the events lane
     shapes, annotations = _lever_lines(lever_changes)

@@ -19,11 +19,11 @@ from telemetry import events as ev
 NO_BLOCKER = "(none: mixing allowed)"
 PATHS = (ev.PATH_MIXED, ev.PATH_PREFILL)
 CAP_RULES = (ev.CAP_REMAINING, ev.CAP_MAX_PREFILL, ev.CAP_SLICE_BUDGET, ev.CAP_WHOLE_PROMPT,
-             ev.CAP_SSM_TAIL, ev.CAP_BLOCK_ALIGN, ev.CAP_TAIL_SPLIT)
+             ev.CAP_SSM_TAIL, ev.CAP_BLOCK_ALIGN, ev.CAP_TAIL_SPLIT, ev.CAP_ENCODER_BUDGET, ev.CAP_IMAGE_WHOLE)
 BLOCKERS = (NO_BLOCKER, ev.BLOCK_BISECT, ev.BLOCK_NO_DECODES, ev.BLOCK_EXPERT_PARALLEL, ev.BLOCK_SPECULATION)
 TABLE_COLUMNS = ("tick", "request_id", "offset", "length", "prompt_len", "is_last", "cap_rule",
                  "max_prefill_tokens", "slice_budget", "slice_budget_ignored", "ssm_tail_boundary", "path", "can_mix", "mix_blocker",
-                 "decode_width", "duration_ns", "outcome", "num_preempted", "kv_quant_state")
+                 "decode_width", "duration_ns", "outcome", "num_preempted", "kv_quant_state", "image_spans", "encoder_ns")
 NUM_HIST_BINS = 40
 NEWEST_SCOPE = 10_000          # default view: the newest decisions (minutes of a busy run), so cost stays flat
 NUM_SHARE_BUCKETS = 60

@@ -93,6 +93,7 @@ def timeline_spec(db: str, run_id: int, version: Version, window_s: float, open_
     return charts.timeline_json(win.forwards, win.stream_events, win.links, win.preemptions, win.lever_changes,
                                 (win.start_ms, win.end_ms), stream_events_cap=cap,
                                 kv_quant_changes=win.kv_quant_changes, rank_forwards=win.rank_forwards,
+                                encoder=win.encoder,
                                 stalls=win.stalls)
 
 

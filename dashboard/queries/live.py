@@ -18,8 +18,9 @@ import pandas as pd
 from dashboard.queries.db import percentile_sql, query_df, query_one
 from dashboard.queries.totals import run_totals_of
 from telemetry.events import EVENT_KV_QUANT_STATE
+from dashboard.figures.encoder_lane import empty_encoder_events
 from dashboard.figures.rank_lanes import empty_rank_forwards
-from telemetry.events import EVENT_EP_FORWARD
+from telemetry.events import EVENT_ENCODER_HIT, EVENT_ENCODER_RUN, EVENT_EP_FORWARD
 from telemetry.stalls import MAX_STALL_EVENTS, STALL_KINDS, blocked_spells
 
 MAX_RAW_FORWARDS = 4_000       # past this many forwards in the window, bucket them in SQL (a screen is ~1,500 px wide)
@@ -51,6 +52,8 @@ class TimelineWindow:
     kv_quant_changes: pd.DataFrame | None = None  # InnerQ calibration state changes in the window
     # Expert parallelism: each rank's share of each forward (empty otherwise), dashboard/figures/rank_lanes.py.
     rank_forwards: pd.DataFrame = field(default_factory=empty_rank_forwards)
+    # Vision checkpoints: tower runs and encoder-cache hits (empty otherwise), dashboard/figures/encoder_lane.py.
+    encoder: pd.DataFrame = field(default_factory=empty_encoder_events)
     # Spells the engine was blocked (start_ms, end_ms, blocker, is_open), dashboard/figures/stall_band.py.
     stalls: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=STALL_COLUMNS))
 
@@ -174,6 +177,7 @@ def timeline_window(db: Path, run_id: int, window_s: float, open_end_ms: float |
                           stream_events_capped=len(streams) >= MAX_STREAM_EVENTS,
                           kv_quant_changes=kv_quant_changes(kv_quant),
                           rank_forwards=_rank_forwards(db, run_id, first_tick),
+                          encoder=_encoder_events(db, run_id, first_tick),
                           stalls=stall_frame(stall_rows, start_ns, end_ns))
 
 
@@ -208,6 +212,19 @@ def _rank_forwards(db: Path, run_id: int, first_tick: int) -> pd.DataFrame:
             FROM events WHERE run_id = ? AND kind = ? AND tick >= ? ORDER BY tick DESC, id DESC LIMIT ?)
         ORDER BY start_ms""", [run_id, EVENT_EP_FORWARD, first_tick, MAX_RANK_FORWARDS])
     return frame if not frame.empty else empty_rank_forwards()
+
+
+def _encoder_events(db: Path, run_id: int, first_tick: int) -> pd.DataFrame:
+    """The newest encoder runs and hits of the window at their tick's start, oldest first."""
+    frame = query_df(db, """
+        SELECT * FROM (
+            SELECT e.tick, t.t_ns / 1e6 AS start_ms, e.kind, e.request_id,
+                   json_extract(e.detail, '$.tokens') AS tokens,
+                   json_extract(e.detail, '$.duration_ns') / 1e6 AS encoder_ms
+            FROM events e JOIN ticks t ON t.run_id = e.run_id AND t.tick = e.tick
+            WHERE e.run_id = ? AND e.kind IN (?, ?) AND e.tick >= ? ORDER BY e.tick DESC, e.id DESC LIMIT ?)
+        ORDER BY start_ms""", [run_id, EVENT_ENCODER_RUN, EVENT_ENCODER_HIT, first_tick, MAX_RANK_FORWARDS])
+    return frame if not frame.empty else empty_encoder_events()
 
 
 def _newest(db: Path, sql: str, run_id: int) -> int:

@@ -43,7 +43,10 @@ def find_requests(db: Path, run_id: int, search: IdSelection | None,
     if statuses:
         clauses.append(f"status IN ({placeholders(statuses)})")
         params += list(statuses)
-    cols = ", ".join(REQUEST_COLUMNS)
+    # A store written before images (an old bundle) has no num_images column: its requests had none.
+    present = set(query_df(db, "SELECT name FROM pragma_table_info(?)", ["requests"])["name"])
+    images = "num_images" if "num_images" in present else "0 AS num_images"
+    cols = ", ".join(REQUEST_COLUMNS + (images,))
     return query_df(db, f"SELECT {cols} FROM requests WHERE {' AND '.join(clauses)} "
                         f"ORDER BY request_id DESC LIMIT ?", params + [int(limit)])
 

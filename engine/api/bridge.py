@@ -78,6 +78,9 @@ class EngineBridge:
                     self._num_drained += 1
                     request_id = new_request_id()
                     self._request_id_of[op.handle] = request_id
+                    if op.images and sched.images is not None:
+                        for data in op.images:
+                            sched.images.store.put(data)
                     request = sched.submit(request_id, op.prompt_tokens, op.sampling, features=op.features,
                                            grammar=op.grammar)
                     self._tracked[request_id] = _Tracked(request, op.handle)

@@ -64,9 +64,9 @@ class FrontendBridge:
         self._write = write
 
     # ---- handlers ---------------------------------------------------------------------
-    def submit(self, requests: list[tuple[list[int], dict, RequestFeatures, dict | None]]
+    def submit(self, requests: list[tuple[list[int], dict, RequestFeatures, dict | None, tuple[bytes, ...]]]
                ) -> tuple[list[int], asyncio.Queue, RequestIds]:
-        """Send one HTTP request's engine requests (prompt tokens, sampling, features, grammar), all
+        """Send one HTTP request's engine requests (prompt tokens, sampling, features, grammar, images), all
         or none; returns their handles, the one queue their progress arrives in, and their request
         ids (filled in when the engine takes them)."""
         if self.is_engine_gone:
@@ -78,12 +78,12 @@ class FrontendBridge:
         outbox: asyncio.Queue = asyncio.Queue()
         ids = RequestIds(len(requests))
         handles = []
-        for index, (prompt_tokens, sampling, features, grammar) in enumerate(requests):
+        for index, (prompt_tokens, sampling, features, grammar, images) in enumerate(requests):
             handle, self._next_handle = self._next_handle, self._next_handle + 1
             self._outboxes[handle] = (outbox, index)
             self._ids[handle] = (ids, index)
             self._num_submitted += 1
-            self._send(Submit(handle, prompt_tokens, sampling, features, grammar))
+            self._send(Submit(handle, prompt_tokens, sampling, features, grammar, images))
             handles.append(handle)
         return handles, outbox, ids
 

@@ -90,7 +90,7 @@ def build_app(info: EngineInfo, bridge: FrontendBridge, api_key: str | None = No
             raise APIError(400, f"n: {len(engine_requests)} choices in one request, more than the server queues "
                                 f"(--max-waiting {bridge.max_waiting})", param="n", code="too_many_choices")
         try:
-            handles, outbox, ids = bridge.submit([(r.prompt_tokens, r.sampling, r.features, r.grammar)
+            handles, outbox, ids = bridge.submit([(r.prompt_tokens, r.sampling, r.features, r.grammar, r.images)
                                                   for r in engine_requests])
         except QueueFull as exc:
             raise APIError(429, str(exc), type=TYPE_RATE, code="too_many_waiting",

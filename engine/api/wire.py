@@ -43,6 +43,7 @@ class FrontendConfig:
     port: int
     api_key: str | None
     max_waiting: int
+    images: Any = None           # engine.multimodal.limits.ImagePolicy for a checkpoint with a vision tower
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,7 @@ class Submit:
     sampling: dict
     features: RequestFeatures
     grammar: dict | None = None
+    images: tuple[bytes, ...] = ()   # the bytes ``features.images`` names (the engine's image store keeps them)
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ class RecordedRun:
     tokens: list[ev.TokenEvent]
     stalls: list[Spell] = field(default_factory=list)   # blocked spells (telemetry/stalls.py)
     source: str = ""                          # the file this came from (for messages)
+    images: dict[str, bytes] = field(default_factory=dict)   # content hash -> bytes of the requests' images
     notes: list[str] = field(default_factory=list)
 
     @property

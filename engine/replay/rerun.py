@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ from engine.model.embedded import EMBEDDED_MODELS
 from engine.model.fault import ForwardFault
 from engine.model.reproducible import NATIVE
 from engine.replay.compare import ReplayedRequest, ReplayedRun
+from engine.multimodal.image_store import IMAGES_DIR, ImageStore
 from engine.replay.record import RecordedRun, ReplayInputError, load_recorded_run
 from engine.replay.run_dtype import replay_dtype
 from engine.scheduler.request_features import CLIENT_DISCONNECTED
@@ -59,13 +61,22 @@ def load_input(path: str, run_id: int | None = None) -> tuple[RecordedRun, dict[
                 raise ReplayInputError(f"{path}: a time-windowed bundle holds only part of the run; "
                                        f"export the whole run to replay it")
             recorded = load_recorded_run(bundle.db_path, bundle.run_id if run_id is None else run_id)
+            recorded.images = read_images(bundle.images_dir)
         recorded.source = path
         return recorded, bundle.manifest
     if os.path.isdir(path):
         path = os.path.join(path, "telemetry.db")
     if not os.path.exists(path):
         raise ReplayInputError(f"{path}: no such bundle or telemetry store")
-    return load_recorded_run(path, run_id), None
+    recorded = load_recorded_run(path, run_id)
+    recorded.images = read_images(Path(path).parent / IMAGES_DIR)
+    return recorded, None
+
+
+def read_images(directory: Path) -> dict[str, bytes]:
+    """The images of a run (a run directory's or a bundle's ``images/``), by content hash."""
+    store = ImageStore(directory)
+    return {key: store.get(key) for key in store.hashes()}
 
 
 def resolve_model(recorded: RecordedRun, model: str | None, *, ignore_hash: bool) -> tuple[str, list[str]]:
@@ -128,12 +139,15 @@ def replay_run(recorded: RecordedRun, *, model: str = "tiny", flips: dict[str, A
             bucket.append(event)
 
     torch.set_grad_enabled(False)
+    image_store = ImageStore()
+    for data in recorded.images.values():
+        image_store.put(data)
     setup = build_engine(model, kv_blocks=config["kv_blocks"], ssm_slots=config["ssm_slots"],
                          levers=levers, seed=int(config.get("seed", 0)), device=device, dtype=dtype,
                          emit=collect,  # only the rows a comparison needs are kept
                          fault=ForwardFault.parse(config["fault_forward"]) if config.get("fault_forward") else None,
                          kv_cache=kv_cache if kv_cache is not None else recorded_kv_cache(config),
-                         numerics=numerics or recorded_numerics(config))
+                         numerics=numerics or recorded_numerics(config), image_store=image_store)
     sched = setup.scheduler
     replay_flips.check_model_can_honour(flips, setup.model)
     submitted, levers = drive(sched, recorded, flips, cut_at_tick=None if flips else recorded.num_ticks,
