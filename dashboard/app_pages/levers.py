@@ -85,11 +85,10 @@ def render(ctx: RunContext) -> None:
                    f"`{ctx.paths.levers.name}` (it outlives its run) already set {named} away from the defaults, "
                    "and the engine took them at tick 0. Change them below or reset every lever to its default.",
                    icon=":material/history:")
-    left, right = st.columns([4, 1])
-    left.caption(f"levers file `{ctx.paths.levers}` · version "
-                 f"{pending.version if pending.version is not None else '(none)'} · applied state from run {ctx.run_id}")
-    right.button("Reset to defaults", key="levers_reset", on_click=on_reset, args=(ctx, telemetry_version),
-                 icon=":material/restart_alt:", help="write every lever's default into the levers file")
+    st.caption(f"levers file `{ctx.paths.levers}` · version "
+               f"{pending.version if pending.version is not None else '(none)'} · applied state from run {ctx.run_id}")
+    st.button("Reset to defaults", key="levers_reset", on_click=on_reset, args=(ctx, telemetry_version),
+              icon=":material/restart_alt:", help="write every lever's default into the levers file")
     for lever in LEVERS:
         row = rows[lever.name]
         left, right = st.columns([2, 3])
