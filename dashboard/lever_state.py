@@ -66,6 +66,16 @@ def write_change(path: Path, name: str, value: Any, telemetry_version: int | Non
     return version
 
 
+def is_change(name: str, value: Any, shown: Any, pending: PendingFile) -> bool:
+    """Whether a widget callback's value asks for something new: not what its widget was drawn with,
+    nor what the file already asks for.
+
+    Widgets are keyed by the file version, and a Streamlit rerun calls the callback of every widget of
+    the previous version with the value it holds: after one toggle, every lever was written into the
+    file one version at a time and the toast named the last one (issue 29, item 11)."""
+    return value != shown and not (name in pending.overrides and pending.overrides[name] == value)
+
+
 def reset_to_defaults(path: Path, telemetry_version: int | None = None) -> int:
     """Write every lever's default into the levers file (version bumped as ``write_change`` does).
 

@@ -24,11 +24,13 @@ ERROR_KEY = "levers_error"
 TOAST_KEY = "levers_toast"
 
 
-def on_change(ctx: RunContext, name: str, key: str, telemetry_version: int | None) -> None:
+def on_change(ctx: RunContext, name: str, key: str, telemetry_version: int | None, shown) -> None:
     value = st.session_state[key]
     try:
         if isinstance(value, str):   # int levers are typed as text: 12.7 or 99999999 get a message
             value = LEVERS_BY_NAME[name].parse_text(value)
+        if not lever_state.is_change(name, value, shown, lever_state.read_pending(ctx.paths.levers)):
+            return
         version = lever_state.write_change(ctx.paths.levers, name, value, telemetry_version)
     except (LeversError, OSError) as exc:
         st.session_state[ERROR_KEY] = cut_echo(f"{name}: not written: {exc}")   # a 10 kB value: its head
@@ -50,9 +52,9 @@ def on_reset(ctx: RunContext, telemetry_version: int | None) -> None:
 def widget(lever: Lever, ctx: RunContext, pending: lever_state.PendingFile, row: lever_state.LeverRow,
            telemetry_version: int | None) -> None:
     key = f"lever_{lever.name}_v{pending.version or 0}"
-    args = {"key": key, "help": lever.help, "on_change": on_change,
-            "args": (ctx, lever.name, key, telemetry_version)}
     value = row.shown
+    args = {"key": key, "help": lever.help, "on_change": on_change,
+            "args": (ctx, lever.name, key, telemetry_version, value)}
     if lever.type is bool:
         st.toggle(lever.name, value=value, **args)
     elif lever.type is int:

@@ -169,10 +169,14 @@ def test_levers_page_carry_over_long_value_no_warning_and_reset(session):
     height = error.bounding_box()["height"]
     assert height < 120, f"the error is {height:.0f} px tall: {text[:200]}"
 
+    before = json.loads(s.levers.read_text())
     toggle = page.locator('[data-testid="stCheckbox"]:has-text("bisect_no_mix")').first
     toggle.locator("label").first.click()
     page.get_by_text(re.compile(r"bisect_no_mix = True written to levers\.json")).first.wait_for(timeout=30_000)
-    page.wait_for_timeout(1500)
+    page.wait_for_timeout(2500)          # refreshes after the write: the redrawn widgets write nothing
+    after = json.loads(s.levers.read_text())
+    assert after == {"version": before["version"] + 1, "levers": {**CARRIED, "bisect_no_mix": True}}, \
+        f"one change, one write: {before} -> {after}"
     assert FRAGMENT_WARNING not in page.locator("body").inner_text()
     assert FRAGMENT_WARNING not in s.log.read_text(errors="replace")
 

@@ -40,6 +40,16 @@ def test_levers_the_run_took_from_the_file_at_its_start_are_carried_over():
     assert lever_state.carried_over(changed_since) == {}
 
 
+def test_a_callback_with_the_drawn_value_or_the_files_request_is_no_change():
+    """Issue 29, item 11: a redrawn widget's callback must not write (it wrote every lever, one version
+    each, and the toast named the last)."""
+    pending = lever_state.PendingFile(4, {"bisect_no_mix": True}, {}, None)
+    assert not lever_state.is_change("slice_budget", 64, 64, pending)            # the value it was drawn with
+    assert not lever_state.is_change("bisect_no_mix", True, False, pending)      # the file asks for it already
+    assert lever_state.is_change("bisect_no_mix", False, True, pending)          # a toggle back
+    assert lever_state.is_change("slice_budget", 32, 64, pending)
+
+
 def test_reset_writes_every_default_above_every_version_seen(tmp_path):
     path = tmp_path / "levers.json"
     lever_state.write_change(path, "slice_budget", 32)
