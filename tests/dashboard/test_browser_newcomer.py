@@ -46,6 +46,10 @@ _TABLE_JS = """(header) => { for (const frame of document.querySelectorAll('[dat
           scroll_width: scroller.scrollWidth, scroll_height: scroller.scrollHeight,
           client_height: scroller.clientHeight}; }
   return null; }"""
+# Every table's rows in view and whether it scrolls up and down.
+_TABLE_ROWS_JS = """() => [...document.querySelectorAll('[data-testid="stDataFrame"]')].map(frame => {
+  const scroller = frame.querySelector('.dvn-scroller');
+  return [frame.querySelectorAll('tbody tr').length, scroller.scrollHeight > scroller.clientHeight + 1]; })"""
 
 
 def _children(pid: int) -> list[int]:
@@ -189,9 +193,14 @@ def test_levers_page_carry_over_long_value_no_warning_and_reset(session):
 
 
 def test_runs_page_from_s_rejects_a_negative(session):
-    """Item 9: "from s" -5 gets a message and no bundle can be built from it."""
+    """Item 9: "from s" -5 gets a message and no bundle can be built from it; item 5: the lever settings
+    table shows every lever."""
+    from telemetry.levers import LEVERS
+
     s = session
     s.open("Runs")
+    _wait_for(lambda: [len(LEVERS), False] in s.page.evaluate(_TABLE_ROWS_JS), 60,
+              f"a table of all {len(LEVERS)} levers in view without a scroll")
     box = s.page.get_by_role("spinbutton", name="from s (optional)")
     box.fill("-5")
     box.press("Enter")
