@@ -286,6 +286,7 @@ def test_the_dashboard_outlives_a_killed_engine(session):
               "the restarted engine's run 2")
     page.get_by_text(re.compile(r"^Engine running \(pid \d+, started from this dashboard\)")).first.wait_for(
         timeout=60_000)
+    page.get_by_text(re.compile(r"^Engine crashed")).first.wait_for(state="detached", timeout=30_000)
     restarted = json.loads((s.run_dir / "engine.pid").read_text())["pid"]
 
     s.proc.send_signal(signal.SIGINT)             # Ctrl-C stops the dashboard and the restarted engine
