@@ -57,8 +57,9 @@ start() {
   echo "[run] engine pid $engine_pid, dashboard http://127.0.0.1:$port (run dir $run_dir); Ctrl-C stops both"
   echo "[run] OpenAI-compatible API http://127.0.0.1:$api_port/v1 (metrics: http://127.0.0.1:$api_port/metrics)"
   local rc=0
-  wait -n -p ended $engine_pid $dash_pid || rc=$?
-  if [ "${ended:-}" = "$engine_pid" ]; then
+  wait -n $engine_pid $dash_pid || rc=$?
+  if kill -0 $dash_pid 2>/dev/null; then      # the engine ended (wait -n -p needs bash 5.1)
+    engine_pid=""                              # reaped: its pid may name another process by now
     # The dashboard outlives the engine: it is the tool to read what happened (issue 29).
     if [ "$rc" -eq 0 ]; then
       echo "[run] engine stopped (exit 0); the dashboard stays up at http://127.0.0.1:$port; Ctrl-C stops it"
