@@ -7,6 +7,7 @@ import os
 import sys
 
 from telemetry import cli_args, levers as lv
+from telemetry.echo import cut_echo
 from telemetry.lever_spec import ENV_PREFIX
 
 EXIT_INVALID = 2
@@ -40,7 +41,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _invalid(message: str) -> int:
-    print(f"invalid: {message}", file=sys.stderr)
+    print(f"invalid: {cut_echo(message)}", file=sys.stderr)     # a 10 kB value is not echoed whole
     return EXIT_INVALID
 
 

@@ -117,9 +117,10 @@ def render_details(ctx: RunContext) -> None:
         return                          # the counters' fragment says there are no ticks yet
     end_ns = int(c["t_ns"] + c["duration_ns"])
     latency = data.latency_percentiles(ctx.db, ctx.run_id, ctx.version)
-    left, right = st.columns([2, 3])
+    # three fifths of the row: in two its count column sat past the box at 1280 px (issue 29, item 12)
+    left, right = st.columns([3, 2])
     tables.show(latency.drop(columns="scope").round(2), key="live_latency_table", where=left)
-    left.caption(f"latency over the {latency['scope'].iloc[0]}")
+    left.caption(f"latency over {latency['scope'].iloc[0]}")
     right.plotly_chart(charts.latency_figure(latency), key="live_latency", width="stretch")
     api_panel.render(ctx, end_ns, window_s)
     prefix_panel.render(ctx)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import streamlit as st
 
 from dashboard import context, request_links
+from dashboard.words import plural
 from dashboard.figures import charts
 from dashboard.queries import data
 from dashboard.panels import grammar as grammar_panel
@@ -16,10 +17,12 @@ from telemetry import events as ev
 STATUSES = ev.REQUEST_STATUSES
 LINK_KEY = "requests_linked_request"   # the linked request already put in the search box
 
-# prefix columns next to the prompt: a hybrid model's miss reason is the first thing to read
-TABLE_COLUMNS = ["request_id", "source", "status", "prompt_len", "num_images", "prefix_hit_tokens", "prefix_hit_ratio",
-                 "prefix_miss_reason",
-                 "output_len", "ttft_ms", "e2e_ms", "finish_reason", "first_token_rules", "grammar", "error"]
+# What a user looks a request up for first (latency, how it ended, its first-token rules and grammar),
+# then where it came from, the prompt, its images and its prefix-cache story: the long miss reason last
+# but the error. Up to grammar fits a 1280 px window (issue 29, item 5).
+TABLE_COLUMNS = ["request_id", "status", "ttft_ms", "e2e_ms", "finish_reason", "first_token_rules", "grammar",
+                 "source", "prompt_len", "num_images", "output_len", "prefix_hit_tokens", "prefix_hit_ratio",
+                 "prefix_miss_reason", "error"]
 
 st.title("Requests")
 
@@ -59,7 +62,7 @@ def render(ctx: RunContext) -> None:
     if found.empty:
         st.info("No request matches this search.")
     else:
-        st.caption(f"{len(found)} requests shown (newest first, at most {MAX_LISTED})")
+        st.caption(f"{plural(len(found), 'request')} shown (newest first, at most {MAX_LISTED})")
         phases = request_phases(found, events, end_ms)
         st.plotly_chart(charts.waterfall_figure(phases), key="requests_waterfall", width="stretch")
         table = found.assign(
@@ -68,7 +71,9 @@ def render(ctx: RunContext) -> None:
             prefix_hit_ratio=(found["prefix_hit_tokens"] / found["prompt_len"].where(found["prompt_len"] > 0)),
             grammar=grammar_marks(found),
         )[TABLE_COLUMNS]
-        tables.show(table, key="requests_table", column_config={
+        tables.show_wide(table, key="requests_table", column_config={
+            "request_id": st.column_config.NumberColumn("request"),
+            "finish_reason": st.column_config.TextColumn("finish"),
             "ttft_ms": st.column_config.NumberColumn("TTFT (ms)", format="%.1f"),
             "e2e_ms": st.column_config.NumberColumn("e2e (ms)", format="%.1f"),
             "prefix_hit_ratio": st.column_config.NumberColumn("prefix hit", format="percent"),

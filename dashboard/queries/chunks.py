@@ -21,9 +21,12 @@ PATHS = (ev.PATH_MIXED, ev.PATH_PREFILL)
 CAP_RULES = (ev.CAP_REMAINING, ev.CAP_MAX_PREFILL, ev.CAP_SLICE_BUDGET, ev.CAP_WHOLE_PROMPT,
              ev.CAP_SSM_TAIL, ev.CAP_BLOCK_ALIGN, ev.CAP_TAIL_SPLIT, ev.CAP_ENCODER_BUDGET, ev.CAP_IMAGE_WHOLE)
 BLOCKERS = (NO_BLOCKER, ev.BLOCK_BISECT, ev.BLOCK_NO_DECODES, ev.BLOCK_EXPERT_PARALLEL, ev.BLOCK_SPECULATION)
-TABLE_COLUMNS = ("tick", "request_id", "offset", "length", "prompt_len", "is_last", "cap_rule",
-                 "max_prefill_tokens", "slice_budget", "slice_budget_ignored", "ssm_tail_boundary", "path", "can_mix", "mix_blocker",
-                 "decode_width", "duration_ns", "outcome", "num_preempted", "kv_quant_state", "image_spans", "encoder_ns")
+# What a user opens Chunks for first (the decision: path, can_mix, its blocker, the cap rule and the
+# chunk) so it fits a 1280 px window; the lever values, outcome and image columns after (issue 29, item 5).
+TABLE_COLUMNS = ("tick", "request_id", "path", "can_mix", "mix_blocker", "cap_rule", "offset", "length",
+                 "prompt_len", "is_last", "duration_ns", "decode_width", "max_prefill_tokens", "slice_budget",
+                 "slice_budget_ignored", "ssm_tail_boundary", "outcome", "num_preempted", "kv_quant_state",
+                 "image_spans", "encoder_ns")
 NUM_HIST_BINS = 40
 NEWEST_SCOPE = 10_000          # default view: the newest decisions (minutes of a busy run), so cost stays flat
 NUM_SHARE_BUCKETS = 60

@@ -60,8 +60,17 @@ def timeline_version(db: str, run_id: int, version: Version) -> Version:
             row.get("events"))
 
 
-@st.cache_data(max_entries=_ENTRIES, show_spinner=False)
 def run_row(db: str, run_id: int, version: Version) -> dict | None:
+    """The run's row with its status as of now: the cached row's ``version`` holds still once a killed
+    engine stops writing ("running" in the store), so whether its process lives is asked on every call."""
+    row = _run_row(db, run_id, version)
+    if row is None:
+        return None
+    return {**row, "status": queries_runs.shown_status(version[1], row["pid"], row["hostname"])}
+
+
+@st.cache_data(max_entries=_ENTRIES, show_spinner=False)
+def _run_row(db: str, run_id: int, version: Version) -> dict | None:
     return queries_runs.run_row(Path(db), run_id)
 
 

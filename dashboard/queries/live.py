@@ -17,6 +17,7 @@ import pandas as pd
 
 from dashboard.queries.db import percentile_sql, query_df, query_one
 from dashboard.queries.totals import run_totals_of
+from dashboard.words import ordinal, plural
 from telemetry.events import EVENT_KV_QUANT_STATE
 from dashboard.figures.encoder_lane import empty_encoder_events
 from dashboard.figures.rank_lanes import empty_rank_forwards
@@ -259,16 +260,17 @@ def latency_percentiles(db: Path, run_id: int, is_recent: bool = True) -> pd.Dat
         itl_filter, itl_params = "AND id > ?", [min_token]
         # Say the scope that applies: a young run has fewer requests than the cap.
         num_requests = min(RECENT_REQUESTS, max_request + 1)
-        scope = (f"newest {RECENT_REQUESTS:,} requests / {ITL_RECENT_TOKENS:,} tokens"
-                 if num_requests == RECENT_REQUESTS else f"all {num_requests:,} requests so far")
+        # a noun phrase that reads after "latency over" (never "over the all 605 requests")
+        scope = (f"the newest {RECENT_REQUESTS:,} requests / {ITL_RECENT_TOKENS:,} tokens"
+                 if num_requests == RECENT_REQUESTS else f"all {plural(num_requests, 'request')} so far")
     else:
         step = max(1, -(-(max_request + 1) // WHOLE_RUN_REQUESTS))
         request_filter, request_params = f"AND request_id IN ({SAMPLED_IDS})", [step, step, max_request]
         itl_step = max(1, -(-int(run_totals_of(db, run_id)["num_tokens"] or 0) // ITL_SAMPLE_TOKENS))
         itl_filter, itl_params = f"AND request_id IN ({SAMPLED_IDS})", [itl_step, itl_step, max_request]
-        parts = ([f"TTFT / e2e over every {step}th request"] if step > 1 else []) + \
-            ([f"ITL over every {itl_step}th request"] if itl_step > 1 else [])
-        scope = "whole run" + (f" ({', '.join(parts)})" if parts else "")
+        parts = ([f"TTFT / e2e over every {ordinal(step)} request"] if step > 1 else []) + \
+            ([f"ITL over every {ordinal(itl_step)} request"] if itl_step > 1 else [])
+        scope = "the whole run" + (f" ({', '.join(parts)})" if parts else "")
     ttft = query_one(db, percentile_sql("SELECT (first_token_ns - arrival_ns) / 1e6 AS v FROM requests "
                                         f"WHERE run_id = ? {request_filter} AND first_token_ns IS NOT NULL"),
                      [run_id, *request_params])
