@@ -3,11 +3,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-EMBEDDED_MODELS = ("tiny", "tiny-moe", "tiny-kimi")
+EMBEDDED_MODELS = ("tiny", "tiny-moe", "tiny-kimi", "tiny-vl")
 
 
 def checkpoint_dir_of(name_or_dir: str) -> Path:
-    """The checkpoint directory for ``tiny`` / ``tiny-moe`` / ``tiny-kimi`` (created on first use) or a path."""
+    """The checkpoint directory for an embedded model (created on first use) or a path."""
     if name_or_dir == "tiny":
         from engine.model.tiny import ensure_tiny_checkpoint
         return ensure_tiny_checkpoint()
@@ -17,4 +17,7 @@ def checkpoint_dir_of(name_or_dir: str) -> Path:
     if name_or_dir == "tiny-kimi":
         from engine.model.tiny_kimi import ensure_tiny_kimi_checkpoint
         return ensure_tiny_kimi_checkpoint()
+    if name_or_dir == "tiny-vl":
+        from engine.model.tiny_vl import ensure_tiny_vl_checkpoint
+        return ensure_tiny_vl_checkpoint()
     return Path(name_or_dir).expanduser()

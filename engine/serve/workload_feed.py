@@ -4,12 +4,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from engine.workload.images import with_images
 from engine.workload.multiturn import MultiTurnWorkload
 from engine.workload.request import RequestSpec, WorkloadError
 from engine.workload.synthetic import SyntheticWorkload
 from engine.workload.trace import TraceWorkload
 
 EPOCH_REQUESTS = 256  # an endless synthetic workload is drawn in seeded epochs of this size
+DEFAULT_IMAGE_SHARE = 0.5  # of workload requests with an image, on a checkpoint with a vision tower
 
 
 class WorkloadFeed:
@@ -27,11 +29,14 @@ class WorkloadFeed:
         limit = args.requests
         if kind == "none":  # API traffic only
             return cls(iter(()), {"kind": "none"})
+        share = image_share(args, setup)
         if kind == "synthetic":
             if limit is None:
-                return cls(_endless_synthetic(args, common), {"kind": "synthetic", "rate": args.rate,
-                                                              "seed": args.seed, "endless": True,
-                                                              "grammar_share": getattr(args, "grammar_share", 0.0)})
+                specs = _endless_synthetic(args, common)
+                if share:
+                    specs = with_images(specs, setup.scheduler.images, share, args.seed)
+                return cls(specs, {"kind": "synthetic", "rate": args.rate, "seed": args.seed, "endless": True,
+                                   "grammar_share": getattr(args, "grammar_share", 0.0), "image_share": share})
             workload = SyntheticWorkload(num_requests=limit, rate=args.rate, seed=args.seed,
                                          grammar_share=getattr(args, "grammar_share", 0.0), **common)
         elif kind == "multiturn":
@@ -51,7 +56,11 @@ class WorkloadFeed:
         specs = list(workload)
         if limit is not None:
             specs = specs[:limit]
-        return cls(iter(specs), workload.describe())
+        description = workload.describe()
+        if share and kind != "bundle":   # a bundle's requests carry their own images
+            specs = list(with_images(specs, setup.scheduler.images, share, args.seed))
+            description["image_share"] = share
+        return cls(iter(specs), description)
 
     def describe(self) -> dict[str, Any]:
         return dict(self._description)
@@ -71,6 +80,18 @@ class WorkloadFeed:
         while self._next is not None and self._next.arrival_s <= elapsed_s:
             spec, self._next = self._next, next(self._specs, None)
             yield spec
+
+
+def image_share(args: Any, setup: Any) -> float:
+    """``--image-share``: the share of workload requests with an image (default: half on a checkpoint with
+    a vision tower, none otherwise); a share on a text-only model is a one-line error."""
+    share = getattr(args, "image_share", None)
+    has_tower = getattr(getattr(setup, "scheduler", None), "images", None) is not None
+    if share is None:
+        return DEFAULT_IMAGE_SHARE if has_tower else 0.0
+    if share and not has_tower:
+        raise WorkloadError(f"--image-share {share}: the model has no vision tower")
+    return share
 
 
 def _endless_synthetic(args: Any, common: dict[str, Any]) -> Iterator[RequestSpec]:
