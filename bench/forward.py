@@ -4,7 +4,8 @@ Prints, for the ``tiny`` default and a SmolLM-sized random Qwen3.5 (hidden 576, 
 3:1 linear/full), a 512-token prefill and decode steps at batch 1, 8 and 32: our time, the
 transformers time and their ratio, and each forward's **roofline** (``engine/model/roofline.py``):
 max(its FLOPs at the square-GEMM rate, its weight + KV + linear-state bytes at the streaming
-read bandwidth), both measured in the same run with the same threads (the GEMM in the run's dtype), and the
+read bandwidth), both measured in the same run with the same threads (the GEMM in the run's dtype,
+the fastest of MKL's and oneDNN's: ``roofline.square_gemms``), and the
 share of that roofline each side reaches (roofline time / measured time; 100% is the machine's
 limit). Decode rows also time the step's GEMMs alone (every projection and the LM head, as
 the engine runs them, on random inputs): the share those reach bounds any forward built on
@@ -47,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import builtins
+import collections
 import functools
 import json
 import os
@@ -238,8 +240,10 @@ def bench_model(name: str, dtype: torch.dtype, rounds: int, steps: int, with_hf:
     every = [r for samples in rates.values() for r in samples]
     flops = sorted(r.flops_per_s / 1e9 for r in every)
     reads = sorted(r.bytes_per_s / 1e9 for r in every)
+    libraries = ", ".join(f"{lib} {n}" for lib, n in sorted(collections.Counter(r.gemm for r in every).items()))
     print(f"[{name}] machine over {len(every)} probes before the blocks: square GEMM best "
-          f"{flops[-1]:.1f} GFLOP/s (median {statistics.median(flops):.1f}, min {flops[0]:.1f}), read best "
+          f"{flops[-1]:.1f} GFLOP/s (median {statistics.median(flops):.1f}, min {flops[0]:.1f}; fastest GEMM "
+          f"per probe: {libraries}), read best "
           f"{reads[-1]:.1f} GB/s (median {statistics.median(reads):.1f}, min {reads[0]:.1f})")
     # Decode rows sit after DECODE_CONTEXT prompt tokens plus about half the steps taken.
     context = DECODE_CONTEXT + (rounds * (steps + 1)) // 2 + 1

@@ -38,7 +38,7 @@ def result_row(name: str, row: str, batch: int, key: str, cost: ForwardCost, tim
             "ours_best_ms": best("ours") * 1e3, "ours_max_ms": max(times[f"ours {key}"]) * 1e3,
             "steady_steps": len(times[f"ours {key}"]), "cold_steps": len(times[f"ours {key} cold"]),
             "probes": len(rates), "compiled": compile_s is not None and row == "decode", "compile_s": compile_s,
-            "gemm_gflops": rate.flops_per_s / 1e9, "read_gbs": rate.bytes_per_s / 1e9,
+            "gemm_gflops": rate.flops_per_s / 1e9, "gemm_library": rate.gemm, "read_gbs": rate.bytes_per_s / 1e9,
             "roofline_share_median": median_rate.seconds(cost) / ours_s,
             "theirs_roofline_share": ratio(roofline_s, best("theirs")),
             "bound": bound, "gflop": cost.flops / 1e9, "mbytes": cost.bytes / 1e6,
@@ -60,7 +60,7 @@ def row_text(name: str, r: dict, prompt_len: int) -> str:
             f"{r['ours_max_ms']:.2f}, {r['steady_steps']} steps)  transformers {ms(r['theirs_ms'])}  "
           f"ratio {times(r['ratio'])}  roofline {r['roofline_ms']:7.2f} ms "
           f"({r['bound']}-bound: {r['gflop']:.2f} GFLOP, {r['mbytes']:.0f} MB; best of its {r['probes']} probes "
-          f"{r['gemm_gflops']:.1f} GFLOP/s, {r['read_gbs']:.1f} GB/s)  "
+          f"{r['gemm_gflops']:.1f} GFLOP/s ({r['gemm_library']}), {r['read_gbs']:.1f} GB/s)  "
           f"share ours {r['roofline_share']:5.1%} (median/median {r['roofline_share_median']:5.1%}) "
           f"transformers {their_share}" + cold
           + ("" if r["gemms_only_ms"] is None else

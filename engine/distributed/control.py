@@ -3,11 +3,13 @@
 The reference's EP broadcast: a control word (forward follows / idle keepalive / stop), then
 the forward's inputs: token ids, positions, K/V slots, the logits rows, the cache layout
 (prefill block ids and SSM slot, decode block tables, context lengths and SSM slots), the
-mid-chunk capture point, a prompt with images' M-RoPE positions and image rows, and the SSM
-slots rank 0 wrote outside a forward (admission zeroing, prefix-snapshot restores,
-normalization) with their states, so every rank's SSM pool holds the same state when the forward
-starts. Three broadcasts: a fixed header, one int64 payload, and the float32 states when any slot
-changed (the image rows' embeddings follow in ``vision_sync.py``).
+mid-chunk capture point, whether the chunk keeps every row's SSM state (a speculative verify:
+every rank then runs its linear layers row by row, as rank 0 does, so their states stay equal),
+a prompt with images' M-RoPE positions and image rows, and the SSM slots rank 0 wrote outside a
+forward (admission zeroing, prefix-snapshot restores, normalization) with their states, so every
+rank's SSM pool holds the same state when the forward starts. Three broadcasts: a fixed header,
+one int64 payload, and the float32 states when any slot changed (the image rows' embeddings
+follow in ``vision_sync.py``).
 """
 from __future__ import annotations
 
@@ -17,13 +19,13 @@ import torch.distributed as dist
 from engine.cache.ssm_pool import SSMPool
 from engine.distributed.group import EPGroup, collective
 from engine.model.batch import DecodeGroup, PackedBatch, PrefillSegment
-from engine.model.gdn import SSMCapture
+from engine.model.gdn import SSMCapture, SSMRowStates
 
 OP_FORWARD, OP_IDLE, OP_STOP = 1, 2, 3
-HEADER_LEN = 14
+HEADER_LEN = 15
 # Header fields (int64): what follows and the sizes needed to split the payload.
 (H_OP, H_TOKENS, H_ROWS, H_PREFILL_START, H_PREFILL_LEN, H_PREFILL_SLOT, H_PREFILL_BLOCKS, H_DECODES,
- H_MAX_BLOCKS, H_CAPTURE, H_DIRTY, H_BLOCK_SIZE, H_ROPE, H_IMAGE_ROWS) = range(HEADER_LEN)
+ H_MAX_BLOCKS, H_CAPTURE, H_DIRTY, H_BLOCK_SIZE, H_ROPE, H_IMAGE_ROWS, H_ROW_STATES) = range(HEADER_LEN)
 
 
 def _header(op: int) -> torch.Tensor:
@@ -61,6 +63,7 @@ def send_forward(group: EPGroup, batch: PackedBatch, rows: torch.Tensor | None, 
         pool.dirty = set(range(pool.num_slots))  # first forward over this pool: every slot once, then changes
     capture = getattr(batch, "ssm_capture", None)
     header[H_CAPTURE] = -1 if capture is None else capture.num_rows
+    header[H_ROW_STATES] = int(getattr(batch, "ssm_row_states", None) is not None)
     dirty = sorted(pool.dirty) if pool.dirty else []
     header[H_DIRTY] = len(dirty)
     device = batch.token_ids.device
@@ -117,6 +120,10 @@ def receive(group: EPGroup, pool: SSMPool, device: torch.device):
                         image_rows=image_rows if h[H_IMAGE_ROWS] else None)
     if h[H_CAPTURE] >= 0:
         batch.ssm_capture = SSMCapture(num_rows=h[H_CAPTURE])  # same split of the chunk as on rank 0
+    if h[H_ROW_STATES]:
+        # The same row-by-row recurrence as rank 0's verify (its kept states go unused here: a roll-back
+        # reaches this rank as a dirty slot), not the chunked rule, whose rounding differs.
+        batch.ssm_row_states = SSMRowStates()
     return OP_FORWARD, batch, (rows if num_rows >= 0 else None)
 
 

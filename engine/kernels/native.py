@@ -127,12 +127,21 @@ def why_unavailable(cpu_flags: set[str], compiler: str | None, variant: str | No
 
 def variant_in_force() -> str | None:
     """``variant_name()``, or None (logged once) where CHUNKSCOPE_KERNEL_ISA names no variant: then the
-    callers keep their torch paths, as for any other reason a kernel cannot run."""
-    try:
-        return variant_name()
-    except ValueError as error:
-        _warn_once(str(error))
-        return None
+    callers keep their torch paths, as for any other reason a kernel cannot run.
+
+    Every kernel call asks (``bind``): the answer is kept per ISA setting and flag reader, since
+    working it out again cost ~1 ms of a 25 ms smol decode step (600 calls of ~2 us)."""
+    key = (ISA, _cpu_flags)  # a forced ISA (tests, bench/forward.py --isa) or a patched flag reader picks anew
+    if key not in _IN_FORCE:
+        try:
+            _IN_FORCE[key] = variant_name()
+        except ValueError as error:
+            _warn_once(str(error))
+            _IN_FORCE[key] = None
+    return _IN_FORCE[key]
+
+
+_IN_FORCE: dict[tuple, str | None] = {}
 
 
 @functools.cache
@@ -171,6 +180,7 @@ def clear_caches() -> None:
     """Forget every loaded library and bound symbol (tests that rebuild from other sources)."""
     _load.cache_clear()
     _bind.cache_clear()
+    _IN_FORCE.clear()
 
 
 @functools.cache

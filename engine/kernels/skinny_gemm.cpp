@@ -43,7 +43,11 @@ namespace {
 constexpr int NR = 16;                           // columns per panel (the packed layout; any width)
 constexpr int TILE_COLS = 2 * vec::W;            // columns per tile: 1 panel (W = 8) or 2 (W = 16)
 constexpr int MAX_MR = vec::W == 16 ? 12 : 6;    // rows per register tile
-constexpr int64_t PREFETCH_TILES = 2;  // with 8 lanes, 1 and 3-4 panels, or hints T1 / NTA: no better, within the noise
+// Tiles ahead: two panels ahead in either width. With 8 lanes (1-panel tiles), 1 and 3-4 panels or hints
+// T1 / NTA were no better, within the noise; with 16 lanes (2-panel tiles) 1 tile beat 2 at 32 rows (AMD
+// EPYC Zen 5, all of smol's decode weights, thread time, interleaved: 1 / 2 / 4 tiles 38.2 / 39.3 / 41.3 ms
+// at load 15; 1 / 2 / 3 tiles 40.2 / 41.9 / 43.7 and 40.5 / 42.8 / 43.4 ms at load 2.6), equal at 8 rows.
+constexpr int64_t PREFETCH_TILES = vec::W == 16 ? 1 : 2;
 
 // The two weight element kinds a panel holds, one 64-byte line per step: float32 (one k per
 // step: x is read as floats) or bf16 pairs (k = 2i and 2i + 1 per step, vec.h's PairW: x is read

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.cache.ssm_pool import SSMPool
-from engine.kernels import custom_ops, gdn_step
+from engine.kernels import custom_ops, gdn_step, native
 from engine.model.batch import PackedBatch
 from engine.model.config import ModelConfig
 from engine.model.gdn_rule import CHUNK_SIZE, chunked_gated_delta_rule, recurrent_gated_delta_step
@@ -80,6 +80,8 @@ class GatedDeltaNet(nn.Module):
         self.fused_out: FusedLinear | None = None
         self.decay_rate: tuple[torch.Tensor, torch.Tensor] | None = None  # (-exp(A_log), dt_bias), fuse()
         self.conv_weight: torch.Tensor | None = None  # [conv_dim, K] view of the conv weight, fuse()
+        # bf16 layers: float32 copies of the conv and norm weights for the native (float32) decode step, fuse()
+        self.native_weights: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def fuse(self) -> None:
         """One GEMM for the four input projections (qkv, z, b, a)."""
@@ -90,6 +92,8 @@ class GatedDeltaNet(nn.Module):
         self.decay_rate = (-self.A_log.detach().float().exp(), self.dt_bias.detach().float())
         # A view (same storage): the per-forward slice + select of the parameter cost two dispatches.
         self.conv_weight = self.conv1d.weight.detach()[:, 0, :]
+        if self.conv_weight.dtype == torch.bfloat16:
+            self.native_weights = (self.conv_weight.float().contiguous(), self.norm.weight.detach().float())
 
     def _project(self, x: torch.Tensor):
         sizes = [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads]
@@ -118,44 +122,78 @@ class GatedDeltaNet(nn.Module):
             g_heads, beta_heads = g.t(), beta.t()  # [Hv, L]
             capture = getattr(batch, "ssm_capture", None)
             row_states = getattr(batch, "ssm_row_states", None)
-            if row_states is not None:
-                out, final = self._prefill_every_row(window, mixed[:split], g, beta, rec_states[slot], row_states)
-            elif capture is None:
-                out, final = chunked_gated_delta_rule(q, k, v, g_heads, beta_heads, rec_states[slot])
+            if row_states is not None:  # normed as the decode step norms its rows: the same arithmetic
+                normed, final = self._prefill_every_row(window, mixed[:split], z[:split], b[:split], a[:split],
+                                                        neg_rate, dt_bias, rec_states[slot], row_states)
             else:
-                out, final = self._prefill_with_capture(window, q, k, v, g_heads, beta_heads,
-                                                        rec_states[slot], capture)
+                if capture is None:
+                    out, final = chunked_gated_delta_rule(q, k, v, g_heads, beta_heads, rec_states[slot])
+                else:
+                    out, final = self._prefill_with_capture(window, q, k, v, g_heads, beta_heads,
+                                                            rec_states[slot], capture)
+                normed = self._norm(out.transpose(0, 1), z[:split], x.dtype)  # from [L, Hv, Dv]
             rec_states[slot] = final
-            pieces.append(self._norm(out.transpose(0, 1), z[:split], x.dtype))  # from [L, Hv, Dv]
+            pieces.append(normed)
 
         if batch.decode is not None:
             group = batch.decode
             if split:  # the decode rows follow the chunk's
                 mixed, z, b, a = mixed[split:], z[split:], b[split:], a[split:]
             rows = mixed  # [B, C]
-            # The native step computes the gates and the output norm itself (fp32); a compiled graph
-            # calls it as a custom op on the whole pools.
+            # A compiled graph calls the native step as a custom op on the whole pools (None where it
+            # does not apply: then the tensor step, traced).
+            normed = None
             if torch.compiler.is_compiling():
+                wide_rows, wide_z, wide_b, wide_a, conv_weight, norm_weight = self._native_inputs(rows, z, b, a,
+                                                                                                  weight)
                 normed = custom_ops.gdn_decode_gated_traced(
-                    rows, pool.conv, pool.recurrent, self.linear_index, weight, group.ssm_slots, a, b,
-                    neg_rate, dt_bias, z, self.norm.weight, self.norm.eps, self.num_k_heads, self.head_k_dim,
+                    wide_rows, pool.conv, pool.recurrent, self.linear_index, conv_weight, group.ssm_slots, wide_a,
+                    wide_b, neg_rate, dt_bias, wide_z, norm_weight, self.norm.eps, self.num_k_heads, self.head_k_dim,
                     self.head_v_dim)
+            if normed is not None:
+                normed = normed.to(rows.dtype)  # one rounding of the float32 step's output (none for float32)
             else:
-                normed = gdn_step.decode_gated(rows, conv_states, weight, rec_states, group.ssm_slots, a,
-                                               b, neg_rate, dt_bias, z, self.norm.weight,
-                                               self.norm.eps, self.num_k_heads, self.head_k_dim, self.head_v_dim)
-            if normed is None:
-                g_rows, beta_rows = self._gates(a, b, neg_rate, dt_bias)  # [B, Hv] each
-                out = gdn_step.decode(rows, conv_states, weight, rec_states, group.ssm_slots, g_rows, beta_rows,
-                                      self.num_k_heads, self.head_k_dim, self.head_v_dim)
-                if out is None:
-                    out = self._decode_rows(rows, g_rows, beta_rows, conv_states, rec_states, group.ssm_slots,
-                                            group.slot_range, pool)
-                normed = self._norm(out, z, x.dtype)
+                normed = self._decode_normed(rows, z, b, a, neg_rate, dt_bias, weight, conv_states, rec_states,
+                                             group.ssm_slots, group.slot_range, pool)
             pieces.append(normed)  # [B, value_dim]
 
         core = torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]  # [T, value_dim]
         return self.fused_out(core) if self.fused_out is not None else self.out_proj(core)
+
+    def _decode_normed(self, rows, z, b, a, neg_rate, dt_bias, weight, conv_states, rec_states, slots, slot_range,
+                       pool: SSMPool | None = None) -> torch.Tensor:
+        """One token per row through the decode step, gated and normed: -> [B, value_dim] in rows' dtype.
+
+        The native step computes the gates and the output norm itself in float32 (a bf16 layer's rows
+        widened for it, its output rounded once); else the native recurrence or the tensor step, then the
+        torch norm. A speculative verify's rows (``_prefill_every_row``) come here too, so a token verified
+        and the same token decoded get the same numbers (bf16 decode on the widened step drifted from bf16
+        verify rows on the tensor step before: served tokens then depended on when speculation ran).
+        """
+        wide_rows, wide_z, wide_b, wide_a, conv_weight, norm_weight = self._native_inputs(rows, z, b, a, weight)
+        normed = gdn_step.decode_gated(wide_rows, conv_states, conv_weight, rec_states, slots, wide_a, wide_b,
+                                       neg_rate, dt_bias, wide_z, norm_weight, self.norm.eps, self.num_k_heads,
+                                       self.head_k_dim, self.head_v_dim)
+        if normed is not None:
+            return normed.to(rows.dtype)  # one rounding of the float32 step's output (none for float32)
+        g_rows, beta_rows = self._gates(a, b, neg_rate, dt_bias)  # [B, Hv] each
+        out = gdn_step.decode(rows, conv_states, weight, rec_states, slots, g_rows, beta_rows, self.num_k_heads,
+                              self.head_k_dim, self.head_v_dim)
+        if out is None:
+            out = self._decode_rows(rows, g_rows, beta_rows, conv_states, rec_states, slots, slot_range, pool)
+        return self._norm(out, z, rows.dtype)
+
+    def _native_inputs(self, rows, z, b, a, weight):
+        """The fused native decode step's inputs: (rows, z, b, a, conv weight, norm weight).
+
+        It computes in float32 on the float32 pools: a bf16 layer's projections are widened for it
+        and the caller rounds its output back to bf16 once (5 conversions, against ~25 torch ops of
+        the tensor path, which rounds the conv and the norm to bf16 on the way: the native step is
+        the more precise). Other dtypes pass as they are (the step declines what it does not take).
+        """
+        if rows.dtype == torch.bfloat16 and self.native_weights is not None and native.enabled():
+            return (rows.float(), z.float(), b.float(), a.float(), *self.native_weights)
+        return rows, z, b, a, weight, self.norm.weight
 
     @staticmethod
     def _gates(a: torch.Tensor, b: torch.Tensor, neg_rate: torch.Tensor,
@@ -169,17 +207,18 @@ class GatedDeltaNet(nn.Module):
         normed = self.norm(out.to(dtype), z.view(rows, self.num_v_heads, self.head_v_dim))
         return normed.reshape(rows, self.value_dim)
 
-    def _prefill_every_row(self, window: torch.Tensor, rows: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                           state: torch.Tensor, row_states: SSMRowStates) -> tuple[torch.Tensor, torch.Tensor]:
+    def _prefill_every_row(self, window: torch.Tensor, rows: torch.Tensor, z: torch.Tensor, b: torch.Tensor,
+                           a: torch.Tensor, neg_rate: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
+                           row_states: SSMRowStates) -> tuple[torch.Tensor, torch.Tensor]:
         """The segment one row at a time through the decode step itself, keeping every row's state.
 
         window: [conv_dim, K-1+R] (old conv state, then the rows' inputs); rows: [R, conv_dim];
-        g, beta: [R, Hv]; state: [Hv, Dk, Dv]. Returns (outputs [Hv, R, Dv], final state). Each
-        row runs the code a plain decode step runs (native or tensor), so the kept states equal
-        what R decode steps would leave.
+        z: [R, value_dim]; b, a: [R, Hv] raw gate projections; state: [Hv, Dk, Dv]. Returns (normed
+        outputs [R, value_dim], final state). Each row runs ``_decode_normed``, the code a plain decode
+        step runs, so the kept states and the outputs equal what R decode steps would give.
         """
         num_rows = rows.shape[0]
-        weight = self.conv1d.weight[:, 0, :]  # [C, K]
+        weight = self.conv_weight if self.conv_weight is not None else self.conv1d.weight[:, 0, :]  # [C, K]
         conv_pool = state.new_empty(1, self.conv_dim, self.conv_kernel - 1)  # [1, C, K-1]: a one-slot pool
         conv_pool[0] = window[:, :self.conv_kernel - 1]
         rec_pool = state.clone()[None]  # [1, Hv, Dk, Dv]
@@ -188,16 +227,13 @@ class GatedDeltaNet(nn.Module):
         kept = rec_pool.new_empty(num_rows, *rec_pool.shape[1:])  # [R, Hv, Dk, Dv]
         outputs = []
         for r in range(num_rows):
-            row, g_row, beta_row = rows[r:r + 1], g[r:r + 1], beta[r:r + 1]
-            out = gdn_step.decode(row, conv_pool, weight, rec_pool, slot, g_row, beta_row, self.num_k_heads,
-                                  self.head_k_dim, self.head_v_dim)
-            if out is None:
-                out = self._decode_rows(row, g_row, beta_row, conv_pool, rec_pool, slot, (0, 1))
-            outputs.append(out)  # [1, Hv, Dv]
+            one = slice(r, r + 1)
+            outputs.append(self._decode_normed(rows[one], z[one], b[one], a[one], neg_rate, dt_bias, weight,
+                                               conv_pool, rec_pool, slot, (0, 1)))  # [1, value_dim]
             kept_conv[r], kept[r] = conv_pool[0], rec_pool[0]
         row_states.conv[self.linear_index] = kept_conv
         row_states.recurrent[self.linear_index] = kept
-        return torch.cat(outputs).transpose(0, 1), rec_pool[0]
+        return torch.cat(outputs), rec_pool[0]
 
     def _prefill_with_capture(self, window: torch.Tensor, q, k, v, g, beta, state: torch.Tensor,
                               capture: SSMCapture) -> tuple[torch.Tensor, torch.Tensor]:

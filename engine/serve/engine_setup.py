@@ -137,7 +137,7 @@ def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: Lev
         # roofline is judged against the kernels its forward could use.
         engine_config["roofline_rates"] = {"gemm_gflop_s": round(rates.flops_per_s / 1e9, 2),
                                            "read_gb_s": round(rates.bytes_per_s / 1e9, 2),
-                                           "gemm_dtype": engine_config["dtype"]}
+                                           "gemm_dtype": engine_config["dtype"], "gemm_library": rates.gemm}
     return EngineSetup(model_name, directory, model, config, tokenizer, runner, scheduler, engine_config, roofline_s)
 
 
@@ -154,8 +154,9 @@ def log_roofline(setup: EngineSetup, log: logging.Logger) -> None:
     bad workload still fails in one line)."""
     rates = setup.engine_config.get("roofline_rates")
     if rates is not None:
-        log.info("roofline rates: square GEMM %.1f GFLOP/s in %s, read %.1f GB/s (measured in %.2f s)",
-                 rates["gemm_gflop_s"], rates.get("gemm_dtype", "float32"), rates["read_gb_s"], setup.roofline_s)
+        log.info("roofline rates: square GEMM %.1f GFLOP/s in %s (%s), read %.1f GB/s (measured in %.2f s)",
+                 rates["gemm_gflop_s"], rates.get("gemm_dtype", "float32"), rates.get("gemm_library", "mm"),
+                 rates["read_gb_s"], setup.roofline_s)
 
 
 def _compile_description(runner: ModelRunner, choice: str, settings, max_rows: int, warm_up: bool) -> dict:

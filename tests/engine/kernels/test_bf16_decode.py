@@ -1,6 +1,7 @@
 """bf16 decode through the native kernels, in every variant: the skinny GEMM and SwiGLU on bf16 weights
-(skinny_gemm.cpp's *_bf16) against float32 and torch's bf16 paths, the RMSNorm and the paged
-attention of a bf16 model through the float32 kernels.
+(skinny_gemm.cpp's *_bf16) against float32 and torch's bf16 paths, the RMSNorm, the paged attention
+and a GDN layer of a bf16 model through the float32 kernels (the GDN states are float32 whatever the
+weights), and a speculative verify's GDN rows through the same step as decode.
 
 bf16 weights and inputs, float32 sums, the output rounded once to bf16 (round to nearest even).
 Stated tolerances, per element:
@@ -19,13 +20,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import native, paged_attention, skinny_gemm, swiglu_gemm
+from engine.cache.sequence import SequenceState
+from engine.kernels import gdn_step, native, paged_attention, skinny_gemm, swiglu_gemm
 from engine.model import layers, norms
+from engine.model.batch import build_batch
+from engine.model.gdn import GatedDeltaNet, SSMRowStates
 from engine.model.loader import load_model
+from engine.model.runner import ModelRunner
+from engine.model.tiny import TINY_CONFIG
 from tests.engine.model.test_decode_fastpaths import BF16_MAX_LOGIT_ERROR, _run
 from tests.engine.kernel_marks import needs_kernels
 
-pytestmark = [pytest.mark.usefixtures("one_torch_thread", "kernel_variant"), needs_kernels(skinny_gemm)]
+pytestmark = [pytest.mark.usefixtures("one_torch_thread", "kernel_variant"), needs_kernels(skinny_gemm, gdn_step)]
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, rtol: float, inner: int) -> None:
@@ -117,21 +123,94 @@ def test_a_bf16_rms_norm_runs_the_float32_kernel_and_rounds_once(monkeypatch):
 
 
 def test_a_bf16_model_decodes_through_the_native_kernels(monkeypatch):
-    """The tiny model in bf16, every weight on the skinny GEMM: each decode step's attention layers take
-    the kernel, and the logits stay within the bf16 tolerance of the torch paths (test_decode_fastpaths'
-    BF16_MAX_LOGIT_ERROR, teacher-forced on the same tokens). (A bf16 GDN layer keeps its tensor step:
-    through the float32 step, ep2 drifted from ep1 in test_expert_parallel's speculative serving.)"""
+    """The tiny model in bf16, every weight on the skinny GEMM: each decode step's GDN and attention layers
+    take the kernels, and the logits stay within the bf16 tolerance of the torch paths (test_decode_fastpaths'
+    BF16_MAX_LOGIT_ERROR, teacher-forced on the same tokens)."""
     monkeypatch.setattr(layers, "PACKED_MIN_WEIGHT", 0)
     model = load_model("tiny", dtype=torch.bfloat16)[0]
     assert model.fused_lm_head.skinny and model.fused_lm_head.skinny_packed.dtype == torch.bfloat16
-    taken = {"attention": []}
-    for module, name, key in ((paged_attention, "decode", "attention"),):
+    taken = {"gdn": [], "attention": []}
+    for module, name, key in ((gdn_step, "decode_gated", "gdn"), (paged_attention, "decode", "attention")):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *args, _real=real, _key=key, **kwargs:
                             taken[_key].append(_real(*args, **kwargs)) or taken[_key][-1])
     tokens, native_logits = _run(model, torch.bfloat16, 6)
-    assert taken["attention"] and all(out is not None for outs in taken.values() for out in outs)
+    assert taken["gdn"] and taken["attention"] and all(out is not None for outs in taken.values() for out in outs)
     monkeypatch.setattr(native, "ENABLED", False)
     _, torch_logits = _run(model, torch.bfloat16, 6, forced=tokens[:6])
     errors = [(a - b).abs().max().item() for a, b in zip(native_logits, torch_logits)]
     assert max(errors) <= BF16_MAX_LOGIT_ERROR, errors
+
+
+def test_a_bf16_gdn_layer_decodes_through_the_float32_native_step():
+    """bf16 rows widened, the float32 step on the float32 pools, the output rounded once: against the
+    float32 tensor path on the same bf16 weights and rows (states within 1e-5, the output within one
+    bf16 rounding, rtol 2^-8)."""
+    torch.manual_seed(3)
+    layer = GatedDeltaNet(TINY_CONFIG, 0)
+    with torch.no_grad():
+        layer.conv1d.weight.normal_(0, 0.5)
+        layer.A_log.normal_(0, 1)
+        layer.norm.weight.normal_(1, 0.3)
+    layer = layer.bfloat16()
+    layer.fuse()
+    reference = GatedDeltaNet(TINY_CONFIG, 0)
+    reference.load_state_dict({k: v.float() for k, v in layer.state_dict().items()})
+    batch, heads = 3, layer.num_v_heads
+    projected = torch.randn(batch, layer.conv_dim + layer.value_dim + 2 * heads).bfloat16()
+    rows, z, b, a = projected.split([layer.conv_dim, layer.value_dim, heads, heads], dim=-1)
+    conv = torch.randn(5, layer.conv_dim, layer.conv_kernel - 1).bfloat16().float()  # bf16 inputs widened
+    rec = torch.randn(5, heads, layer.head_k_dim, layer.head_v_dim) * 0.3
+    slots = torch.tensor([4, 0, 2])
+    neg_rate, dt_bias = layer.decay_rate
+    conv_native, rec_native = conv.clone(), rec.clone()
+    taken = []
+    real = gdn_step.decode_gated
+    gdn_step.decode_gated = lambda *args, **kwargs: taken.append(real(*args, **kwargs)) or taken[-1]
+    try:
+        got = layer._decode_normed(rows, z, b, a, neg_rate, dt_bias, layer.conv_weight, conv_native, rec_native,
+                                   slots, None)  # what forward() runs for decode rows
+    finally:
+        gdn_step.decode_gated = real
+    assert taken and taken[0] is not None and got.dtype == torch.bfloat16
+    with torch.no_grad():
+        g, beta = reference._gates(a, b, neg_rate, dt_bias)
+        out = reference._decode_rows(rows.float(), g, beta, conv, rec, slots, None)
+        want = reference._norm(out, z.float(), torch.float32)
+    torch.testing.assert_close(rec_native, rec, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(conv_native, conv, rtol=0, atol=0)
+    torch.testing.assert_close(got.float(), want, rtol=2 ** -8, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_verify_rows_run_the_decode_steps_arithmetic(dtype):
+    """A speculative verify's GDN rows (``ssm_row_states``) go through the decode step itself: on the same
+    projected rows, the outputs and the state kept after each row are bit-equal to one decode step per row.
+    (With bf16 decode on the widened float32 step and verify rows on bf16 tensor ops, served tokens
+    depended on when speculation ran: --ep 2 drifted from --ep 1 in test_expert_parallel.)"""
+    torch.manual_seed(5)
+    layer = GatedDeltaNet(TINY_CONFIG, 0)
+    with torch.no_grad():
+        layer.A_log.normal_(0, 1)
+        layer.norm.weight.normal_(1, 0.3)
+    layer = layer.to(dtype)
+    layer.fuse()
+    num_rows, heads = 3, layer.num_v_heads
+    projected = torch.randn(num_rows, layer.conv_dim + layer.value_dim + 2 * heads).to(dtype)
+    rows, z, b, a = projected.split([layer.conv_dim, layer.value_dim, heads, heads], dim=-1)
+    conv = torch.randn(1, layer.conv_dim, layer.conv_kernel - 1).to(dtype).float()  # as a pool holds them
+    rec = torch.randn(1, heads, layer.head_k_dim, layer.head_v_dim) * 0.3
+    neg_rate, dt_bias = layer.decay_rate
+    window = torch.cat([conv[0].to(dtype), rows.t()], dim=-1)  # [C, K-1+R], as forward() builds it
+    row_states = SSMRowStates()
+    with torch.no_grad():
+        verified, final = layer._prefill_every_row(window, rows, z, b, a, neg_rate, dt_bias, rec[0].clone(),
+                                                   row_states)
+        slot = torch.zeros(1, dtype=torch.long)
+        for r in range(num_rows):
+            one = slice(r, r + 1)
+            decoded = layer._decode_normed(rows[one], z[one], b[one], a[one], neg_rate, dt_bias, layer.conv_weight,
+                                           conv, rec, slot, (0, 1))
+            assert torch.equal(verified[r], decoded[0]), r
+            assert torch.equal(row_states.recurrent[0][r], rec[0]) and torch.equal(row_states.conv[0][r], conv[0])
+    assert torch.equal(final, rec[0]) and verified.dtype == dtype

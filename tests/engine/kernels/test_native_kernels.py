@@ -207,7 +207,8 @@ def test_greedy_decode_with_native_kernels_equals_torch_paths(monkeypatch):
         assert torch.allclose(a, b, atol=1e-4)
 
 
-def test_unavailable_reasons():
+def test_unavailable_reasons(monkeypatch):
+    monkeypatch.setattr(native, "ISA", "auto")  # the CPU's own pick, whatever CHUNKSCOPE_KERNEL_ISA forces
     assert native.why_unavailable({"avx2", "fma"}, "/usr/bin/g++") is None
     assert "avx2" in native.why_unavailable({"fma"}, "/usr/bin/g++")
     assert "compiler" in native.why_unavailable({"avx2", "fma"}, None)
@@ -217,6 +218,7 @@ def test_a_failed_build_logs_once_and_falls_back(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("CXX", "/bin/false")
     monkeypatch.setenv("CHUNKSCOPE_CACHE", str(tmp_path))
     monkeypatch.setattr(native, "_cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setattr(native, "ISA", "auto")  # the avx2 pick of that CPU, whatever CHUNKSCOPE_KERNEL_ISA forces
     native.clear_caches()
     try:
         with caplog.at_level(logging.WARNING, logger="chunkscope.kernels"):
