@@ -80,6 +80,8 @@ class GatedDeltaNet(nn.Module):
         self.fused_out: FusedLinear | None = None
         self.decay_rate: tuple[torch.Tensor, torch.Tensor] | None = None  # (-exp(A_log), dt_bias), fuse()
         self.conv_weight: torch.Tensor | None = None  # [conv_dim, K] view of the conv weight, fuse()
+        # The prefill recurrence; training swaps in the autograd form (engine/train/delta_rule.py).
+        self.prefill_rule = chunked_gated_delta_rule
 
     def fuse(self) -> None:
         """One GEMM for the four input projections (qkv, z, b, a)."""
@@ -121,7 +123,7 @@ class GatedDeltaNet(nn.Module):
             if row_states is not None:
                 out, final = self._prefill_every_row(window, mixed[:split], g, beta, rec_states[slot], row_states)
             elif capture is None:
-                out, final = chunked_gated_delta_rule(q, k, v, g_heads, beta_heads, rec_states[slot])
+                out, final = self.prefill_rule(q, k, v, g_heads, beta_heads, rec_states[slot])
             else:
                 out, final = self._prefill_with_capture(window, q, k, v, g_heads, beta_heads,
                                                         rec_states[slot], capture)
