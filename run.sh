@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Chunkscope entry point.
-#   ./run.sh          set up, then start the engine (tiny model, synthetic load) and the dashboard
+#   ./run.sh          set up, then start the engine (tiny-chat model, chat load) and the dashboard
 #   ./run.sh setup    set up only (.venv + the project and its test extra)
 #   ./run.sh test     set up, then run the test suite (extra args go to pytest)
 # Environment:
@@ -41,7 +41,7 @@ start() {
   local port=${PORT:-8501}
   local api_port=${API_PORT:-8000}
   local run_dir=${RUN_DIR:-runs/default}
-  local engine_cmd=("$VENV/bin/python" -m engine serve --model tiny --run-dir "$run_dir" --workload synthetic --rate 4
+  local engine_cmd=("$VENV/bin/python" -m engine serve --model tiny-chat --run-dir "$run_dir" --workload chat --rate 4
                     --api-port "$api_port" --api-host 127.0.0.1)
   local dash_cmd=("$VENV/bin/python" -m streamlit run dashboard/app.py --server.address 127.0.0.1 --server.port "$port" -- --run-dir "$run_dir")
   mkdir -p "$run_dir"
