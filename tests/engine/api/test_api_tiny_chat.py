@@ -6,8 +6,8 @@ import json
 
 import jsonschema
 import pytest
-from api_server_helpers import started_server
-from serve_process import stop, wait_for
+from api_server_helpers import serving
+from serve_process import wait_for
 
 from engine.workload.grammars import SCHEMAS
 
@@ -17,10 +17,9 @@ THINK_END = 258
 
 @pytest.fixture(scope="module")
 def chat_server(tmp_path_factory):
-    server = started_server(tmp_path_factory.mktemp("tiny-chat-run"), "--model", "tiny-chat", "--kv-blocks", "128",
-                            "--ssm-slots", "4")
-    yield server
-    stop(server.proc)
+    with serving(tmp_path_factory.mktemp("tiny-chat-run"), "--model", "tiny-chat", "--kv-blocks", "128",
+                 "--ssm-slots", "4") as server:
+        yield server
 
 
 def test_a_thought_that_ends_on_its_own_then_a_json_schema_answer(chat_server):
