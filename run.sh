@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Chunkscope entry point.
-#   ./run.sh          set up, then start the engine (tiny-chat model, chat load) and the dashboard
+#   ./run.sh          set up, then start the engine (tiny-chat model, chat load) and the dashboard;
+#                     the dashboard outlives the engine (a crash is read there), Ctrl-C stops both
 #   ./run.sh setup    set up only (.venv + the project and its test extra)
 #   ./run.sh test     set up, then run the test suite (extra args go to pytest)
 # Environment:
@@ -51,13 +52,37 @@ start() {
   local engine_pid=$!
   "${dash_cmd[@]}" &
   local dash_pid=$!
-  # Ctrl-C / SIGTERM stops both; the engine drains its telemetry on SIGTERM.
-  trap 'kill -TERM $engine_pid $dash_pid 2>/dev/null; wait $engine_pid $dash_pid 2>/dev/null; exit 0' INT TERM
+  # Ctrl-C / SIGTERM stops both (the engine drains its telemetry on SIGTERM), and an engine the
+  # dashboard (re)started in its own session, named by the run dir's pid file.
+  trap 'kill -TERM $engine_pid $dash_pid 2>/dev/null; wait $engine_pid $dash_pid 2>/dev/null;
+        stop_dashboard_engine "$run_dir"; exit 0' INT TERM
   echo "[run] engine pid $engine_pid, dashboard http://127.0.0.1:$port (run dir $run_dir); Ctrl-C stops both"
   echo "[run] OpenAI-compatible API http://127.0.0.1:$api_port/v1 (metrics: http://127.0.0.1:$api_port/metrics)"
-  wait -n $engine_pid $dash_pid || true
-  kill -TERM $engine_pid $dash_pid 2>/dev/null || true
-  wait $engine_pid $dash_pid 2>/dev/null || true
+  local rc=0
+  wait -n $engine_pid $dash_pid || rc=$?
+  if kill -0 $dash_pid 2>/dev/null; then      # the engine ended (wait -n -p needs bash 5.1)
+    engine_pid=""                              # reaped: its pid may name another process by now
+    # The dashboard outlives the engine: it is the tool to read what happened (issue 29).
+    if [ "$rc" -eq 0 ]; then
+      echo "[run] engine stopped (exit 0); the dashboard stays up at http://127.0.0.1:$port; Ctrl-C stops it"
+    else
+      echo "[run] engine crashed (exit $rc); the dashboard stays up at http://127.0.0.1:$port to read the run" \
+           "and restart it (Live page); Ctrl-C stops it" >&2
+    fi
+    wait $dash_pid 2>/dev/null || true
+  else
+    echo "[run] dashboard exited (code $rc); stopping the engine" >&2
+    kill -TERM $engine_pid 2>/dev/null || true
+    wait $engine_pid 2>/dev/null || true
+  fi
+  stop_dashboard_engine "$run_dir"
+}
+
+# An engine started from the dashboard runs in its own session; its pid file names it.
+stop_dashboard_engine() {
+  [ -f "$1/engine.pid" ] || return 0
+  "$VENV/bin/python" -c 'import sys, pathlib; from dashboard.engine_control import stop_engine; from dashboard.paths import RunPaths
+print("[run]", stop_engine(RunPaths(pathlib.Path(sys.argv[1]))))' "$1" || true
 }
 
 cmd=${1:-start}

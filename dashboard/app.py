@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import context, fragment_timing, request_links
+from dashboard import context, fragment_timing, page_style, request_links
 from dashboard.queries import data
 from dashboard.panels import status_banner
 from dashboard.queries.db import DataUnavailable
@@ -74,6 +74,7 @@ def chosen_run_status(db: str) -> None:
 
 @fragment_timing.timed("script")
 def main() -> None:
+    page_style.apply()
     run_picker()
     status_banner.render(context.paths().run_dir)
     st.navigation(PAGES).run()

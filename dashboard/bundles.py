@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dashboard.paths import RunPaths
 from telemetry.bundle import BundleError
-from telemetry.bundle_export import ExportResult, export_bundle
+from telemetry.bundle_export import EXPORT_STEPS, ExportResult, Progress, export_bundle
 
 BUNDLE_DIR_NAME = "bundles"
 MAX_LISTED = 10
@@ -57,17 +57,35 @@ def new_bundle_path(paths: RunPaths, run_id: int, since_s: float | None, until_s
     return candidate
 
 
-def build_bundle(paths: RunPaths, run_id: int, since_s: float | None = None,
-                 until_s: float | None = None) -> ExportResult:
-    """Export one run's bundle into the run directory; BundleError says why when it cannot."""
+def window_problem(since_s: float | None, until_s: float | None) -> str | None:
+    """Why a time window cannot be exported, or None: seconds since the run started are never
+    negative (the page's box once took -5 without a word), and until comes after since."""
+    for name, value in (("from", since_s), ("until", until_s)):
+        if value is not None and not value >= 0:
+            return f"time window: {name} s must be 0 or more (seconds after the run started), got {value:g}"
     if since_s is not None and until_s is not None and until_s <= since_s:
-        raise BundleError(f"time window: until ({until_s:g} s) must be after since ({since_s:g} s)")
+        return f"time window: until ({until_s:g} s) must be after since ({since_s:g} s)"
+    return None
+
+
+def build_bundle(paths: RunPaths, run_id: int, since_s: float | None = None,
+                 until_s: float | None = None, progress: Progress | None = None) -> ExportResult:
+    """Export one run's bundle into the run directory; BundleError says why when it cannot."""
+    problem = window_problem(since_s, until_s)
+    if problem:
+        raise BundleError(problem)
     if not paths.db.exists():
         raise BundleError(f"no telemetry database at {paths.db}")
     out = new_bundle_path(paths, run_id, since_s, until_s)
     out.parent.mkdir(parents=True, exist_ok=True)
     return export_bundle(paths.db, out, run_id=run_id, since_s=since_s, until_s=until_s,
-                         allowed_root=paths.run_dir)
+                         allowed_root=paths.run_dir, progress=progress)
+
+
+def step_fraction(step: str) -> tuple[float, str]:
+    """(share of the export done when ``step`` starts, its label) for the Runs page's bar."""
+    index = EXPORT_STEPS.index(step)
+    return index / len(EXPORT_STEPS), f"step {index + 1} of {len(EXPORT_STEPS)}: {step}"
 
 
 def list_bundles(paths: RunPaths, limit: int = MAX_LISTED) -> list[BundleFile]:

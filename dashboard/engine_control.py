@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dashboard.paths import PathOutsideRunDir, RunPaths, inside_run_dir
+from telemetry.procs import is_zombie
 
 BUILTIN_MODELS = ("tiny",)
 WORKLOADS = ("synthetic", "multiturn")
@@ -71,14 +72,6 @@ def _proc_cmdline(pid: int) -> tuple[str, ...] | None:
     return tuple(part.decode(errors="replace") for part in raw.split(b"\0") if part)
 
 
-def _is_zombie(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[-1].split()[0] == "Z"
-
-
 def _reap(pid: int) -> None:
     """Collect an exited child we started, so it does not linger as a zombie."""
     try:
@@ -101,7 +94,7 @@ def engine_status(paths: RunPaths) -> EngineStatus:
     pid, argv = read_pid_file(paths)
     if pid is None:
         return EngineStatus(False, None, (), f"no engine started from this dashboard ({paths.pid_file.name} absent)")
-    if _is_zombie(pid):
+    if is_zombie(pid):
         _reap(pid)
         return EngineStatus(False, pid, argv, f"engine pid {pid} has exited")
     cmdline = _proc_cmdline(pid)

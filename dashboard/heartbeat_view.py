@@ -14,6 +14,7 @@ from typing import Any
 
 FRESH_S = 3.0      # a heartbeat younger than this describes the engine now
 TICKS_STOPPED_S = 1.5
+OPEN_STALL_STEP_MS = 2_000.0
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,7 @@ class LiveState:
     blocker: str | None           # what keeps the queue head waiting
     is_blocked: bool              # nothing can run until the blocker goes
     age_s: float                  # heartbeat age
+    run_ms: float | None = None   # the run's clock now (ms since run start), when the heartbeat says it
 
 
 def live_state(status: dict[str, Any] | None, run_id: int, is_alive: bool, last_tick_age_s: float | None,
@@ -44,7 +46,17 @@ def live_state(status: dict[str, Any] | None, run_id: int, is_alive: bool, last_
         "ssm_slots_used": status.get("ssm_slots_used", 0), "ssm_slots_total": status.get("ssm_slots_total", 0),
         "tick": status.get("tick", 0),
     }
-    return LiveState(counters, status.get("blocker"), is_blocked, max(0.0, age))
+    run_t_ns = status.get("run_t_ns")
+    run_ms = float(run_t_ns) / 1e6 + max(0.0, age) * 1e3 if isinstance(run_t_ns, (int, float)) else None
+    return LiveState(counters, status.get("blocker"), is_blocked, max(0.0, age), run_ms)
+
+
+def open_stall_end_ms(state: LiveState | None, step_ms: float = OPEN_STALL_STEP_MS) -> float | None:
+    """Where the Live timeline ends a stall still open: now, in ``step_ms`` steps (the timeline is
+    rebuilt once per step while blocked, not every second); None when not blocked."""
+    if state is None or not state.is_blocked or state.run_ms is None:
+        return None
+    return state.run_ms // step_ms * step_ms
 
 
 def describe(state: LiveState) -> str:

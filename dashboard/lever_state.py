@@ -66,6 +66,34 @@ def write_change(path: Path, name: str, value: Any, telemetry_version: int | Non
     return version
 
 
+def is_change(name: str, value: Any, shown: Any, pending: PendingFile) -> bool:
+    """Whether a widget callback's value asks for something new: not what its widget was drawn with,
+    nor what the file already asks for.
+
+    Widgets are keyed by the file version, and a Streamlit rerun calls the callback of every widget of
+    the previous version with the value it holds: after one toggle, every lever was written into the
+    file one version at a time and the toast named the last one (issue 29, item 11)."""
+    return value != shown and not (name in pending.overrides and pending.overrides[name] == value)
+
+
+def reset_to_defaults(path: Path, telemetry_version: int | None = None) -> int:
+    """Write every lever's default into the levers file (version bumped as ``write_change`` does).
+
+    Every lever is named, not an empty file: the engine's base values include CHUNKSCOPE_* environment
+    settings, and "defaults" means the registry's defaults."""
+    pending = read_pending(path)
+    version = max(pending.version or 0, telemetry_version or 0) + 1
+    write_levers_file(path, version, defaults().as_dict())
+    return version
+
+
+def carried_over(rows: list[LeverRow]) -> dict[str, Any]:
+    """Levers the run took from the levers file at its start (tick 0) and still runs with, away from
+    their defaults: a levers file outlives its run, so these are often an earlier run's settings."""
+    return {r.name: r.applied for r in rows
+            if r.applied_tick == 0 and r.applied_source == "file" and r.applied != LEVERS_BY_NAME[r.name].default}
+
+
 def latest_changes(db: Path, run_id: int) -> pd.DataFrame:
     """Newest applied and newest rejected change per lever (at most two rows per lever)."""
     return query_df(db, """

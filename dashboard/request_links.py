@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from dashboard.queries.requests import BadSearch, parse_request_id
+from dashboard.queries.ids import BadSearch, parse_request_id
 
 REQUESTS_PAGE = "app_pages/requests.py"
 REQUESTS_URL_PATH = "requests"        # st.Page's URL path for app_pages/requests.py

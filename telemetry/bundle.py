@@ -59,6 +59,9 @@ The recorded outputs (for a replay's token comparison) are in
 ``telemetry.db``: ``requests.output_tokens`` and the ``tokens`` table; the
 recorded chunk decisions are the ``chunks`` table.
 
+``images/<sha256>``: the images the requests name (``features.images``), content-addressed: each
+member's name is the sha256 of its bytes (checked on open), so a replay finds them by the hash.
+
 ``trace.json.gz``: Chrome trace JSON (gzip) for Perfetto, see ``perfetto.py``.
 
 ``summary.md``: the run in numbers, errors by message, lever changes, top preemptions.
@@ -71,6 +74,7 @@ from __future__ import annotations
 
 BUNDLE_FORMAT = 1
 BUNDLE_MEMBERS = ("manifest.json", "telemetry.db", "trace.json.gz", "workload.jsonl", "summary.md")
+IMAGES_PREFIX = "images/"   # optional members: images/<sha256 of the bytes>
 
 import dataclasses
 import hashlib
@@ -109,6 +113,11 @@ class Bundle:
     trace_path: Path                    # extracted trace.json.gz
     workload_path: Path                 # extracted workload.jsonl (engine/workload/bundle.py reads it)
     summary_md: str
+
+    @property
+    def images_dir(self) -> Path:
+        """The extracted ``images/`` (one file per content hash; absent when no request had images)."""
+        return self.directory / "images"
 
     @property
     def run_id(self) -> int:
@@ -170,6 +179,17 @@ def _extract(zf: zipfile.ZipFile, name: str, dest: Path, expected: dict[str, Any
         raise BundleError(f"{where} is corrupted: member {name} does not match the sha256 in manifest.json")
 
 
+def _extract_images(zf: zipfile.ZipFile, directory: Path, where: str) -> None:
+    """The ``images/<sha256>`` members, each checked against its own name."""
+    names = [n for n in zf.namelist() if n.startswith(IMAGES_PREFIX)]
+    for name in names:
+        key = name[len(IMAGES_PREFIX):]
+        if len(key) != 64 or key.strip("0123456789abcdef"):
+            raise BundleError(f"{where}: member {name} is not named by a sha256 digest")
+        (directory / "images").mkdir(exist_ok=True)
+        _extract(zf, name, directory / "images" / key, {"sha256": key}, where)
+
+
 def _read_workload(path: Path, where: str) -> list[dict[str, Any]]:
     rows = []
     with path.open(encoding="utf-8") as handle:
@@ -217,6 +237,7 @@ def open_bundle(path: str | os.PathLike) -> Bundle:
                 manifest = _read_manifest(zf, where)
                 for name in BUNDLE_MEMBERS:
                     _extract(zf, name, directory / name, manifest["files"].get(name), where)
+                _extract_images(zf, directory, where)
         except zipfile.BadZipFile as exc:
             raise BundleError(f"{where} is corrupted: {exc}") from None
         run_id = manifest["run"]["run_id"]

@@ -15,10 +15,10 @@ import sqlite3
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from telemetry import perfetto, snapshot
-from telemetry.bundle import BUNDLE_FORMAT, BUNDLE_MEMBERS, BundleError
+from telemetry.bundle import BUNDLE_FORMAT, BUNDLE_MEMBERS, IMAGES_PREFIX, BundleError
 from telemetry.manifest import build_manifest, sanitize_text
 from telemetry.reader import TelemetryReader
 from telemetry.ro_uri import read_only_uri
@@ -26,6 +26,10 @@ from telemetry.snapshot import SnapshotError, TimeWindow
 from telemetry.summary_md import build_summary_md
 
 _COMPRESSION = {"trace.json.gz": zipfile.ZIP_STORED}  # already gzip; the rest deflate well
+# The steps of an export, in order, each reported to ``progress`` as it starts (a bar on the Runs
+# page, tqdm on the CLI): a long run's export takes a minute, mostly the snapshot and the trace.
+EXPORT_STEPS = ("snapshot", "workload", "trace", "summary", "zip")
+Progress = Callable[[str], None]
 _HASH_CHUNK = 1 << 20
 
 
@@ -101,14 +105,16 @@ def _resolve_run(db_path: Path, run_id: int | None) -> int:
 def export_bundle(db_path: str | os.PathLike, out_path: str | os.PathLike, *, run_id: int | None = None,
                   since_s: float | None = None, until_s: float | None = None,
                   allowed_root: str | os.PathLike | None = None, overwrite: bool = False,
-                  environ: dict[str, str] | None = None) -> ExportResult:
+                  environ: dict[str, str] | None = None, progress: Progress | None = None) -> ExportResult:
     """Write the bundle of one run (default: the latest) of a live or finished store.
 
     ``since_s`` / ``until_s`` keep only [since, until) seconds after the run
     started. ``allowed_root`` (the dashboard passes the run directory) refuses
     a db or output path outside it. Each member is built in a temp directory
     and the zip is moved into place at the end, so a failure leaves no half file.
+    ``progress(step)`` is called as each of ``EXPORT_STEPS`` starts.
     """
+    step = progress or (lambda _name: None)
     db_path, out_path = Path(db_path), Path(out_path)
     _check_paths(db_path, out_path, None if allowed_root is None else Path(allowed_root), overwrite)
     try:
@@ -120,13 +126,17 @@ def export_bundle(db_path: str | os.PathLike, out_path: str | os.PathLike, *, ru
     work = Path(tempfile.mkdtemp(prefix="chunkscope-export-"))
     try:
         members = {name: work / name for name in BUNDLE_MEMBERS}
+        step("snapshot")
         try:
             snapshot.take_snapshot(db_path, run_id, members["telemetry.db"], window)
         except SnapshotError as exc:
             raise BundleError(str(exc)) from None
         _sanitize_run_row(members["telemetry.db"], run_id, db_path.parent)
-        manifest = _manifest(members, run_id, window, db_path.parent, environ)
-        _write_zip(members, manifest, out_path, work)
+        manifest = _manifest(members, run_id, window, db_path.parent, environ, step)
+        images = _images(members["workload.jsonl"], db_path.parent / "images")
+        manifest["images"] = sorted(images)
+        step("zip")
+        _write_zip(members, manifest, out_path, work, images)
         return ExportResult(out_path, run_id, out_path.stat().st_size, manifest)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -174,12 +184,14 @@ def _sanitize_run_row(db: Path, run_id: int, run_dir: Path) -> None:
 
 
 def _manifest(members: dict[str, Path], run_id: int, window: TimeWindow, run_dir: Path,
-              environ: dict[str, str] | None) -> dict[str, Any]:
+              environ: dict[str, str] | None, step: Progress) -> dict[str, Any]:
     db = members["telemetry.db"]
     reader = TelemetryReader(db)
     run = reader.get_run(run_id)
     changes = reader.events_after("lever_changes", run_id, 0, limit=1_000_000)
+    step("workload")
     _write_workload(db, members["workload.jsonl"])
+    step("trace")
     perfetto.write_trace(db, members["trace.json.gz"], run_id)
     with sqlite3.connect(read_only_uri(db), uri=True) as conn:
         extent, counts = snapshot.data_extent(conn), snapshot.table_counts(conn)
@@ -187,6 +199,7 @@ def _manifest(members: dict[str, Path], run_id: int, window: TimeWindow, run_dir
                   until_ns=window.until_ns, counts=counts, run_dir=run_dir, bundle_format=BUNDLE_FORMAT,
                   environ=environ)
     draft = build_manifest(files={}, **common)
+    step("summary")
     summary = sanitize_text(build_summary_md(db, run_id, draft), Path(os.path.normpath(os.path.abspath(run_dir))))
     members["summary.md"].write_text(summary, encoding="utf-8")
     files = {name: {"bytes": path.stat().st_size, "sha256": _sha256(path)}
@@ -194,7 +207,23 @@ def _manifest(members: dict[str, Path], run_id: int, window: TimeWindow, run_dir
     return {**draft, "files": files}
 
 
-def _write_zip(members: dict[str, Path], manifest: dict[str, Any], out_path: Path, work: Path) -> None:
+def _images(workload: Path, images_dir: Path) -> dict[str, Path]:
+    """hash -> file of every image the workload's requests name, from the run's ``images/``."""
+    found: dict[str, Path] = {}
+    with workload.open(encoding="utf-8") as handle:
+        for line in handle:
+            row = json.loads(line)
+            for key in (row.get("features") or {}).get("images", []):
+                path = images_dir / key
+                if not path.is_file():
+                    raise BundleError(f"request {row['request_id']} names image {key[:12]}.., which is not in "
+                                      f"{images_dir}")
+                found[key] = path
+    return found
+
+
+def _write_zip(members: dict[str, Path], manifest: dict[str, Any], out_path: Path, work: Path,
+               images: dict[str, Path] | None = None) -> None:
     members["manifest.json"].write_text(json.dumps(manifest, indent=2, default=str), encoding="utf-8")
     partial = out_path.with_name(f".{out_path.name}.partial-{os.getpid()}")
     try:
@@ -202,6 +231,8 @@ def _write_zip(members: dict[str, Path], manifest: dict[str, Any], out_path: Pat
             for name in BUNDLE_MEMBERS:
                 zf.write(members[name], name, compress_type=_COMPRESSION.get(name, zipfile.ZIP_DEFLATED),
                          compresslevel=9)
+            for key, path in sorted((images or {}).items()):   # encoded images: stored, not recompressed
+                zf.write(path, IMAGES_PREFIX + key, compress_type=zipfile.ZIP_STORED)
         os.replace(partial, out_path)
     finally:
         partial.unlink(missing_ok=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Callable
 
 MAX_SQLITE_INT = 2**63 - 1
@@ -45,3 +46,37 @@ def bounded_float(low: float, high: float = math.inf, *, low_open: bool = False)
 
 run_id = bounded_int(1)                      # SQLite rowids start at 1
 non_negative_float = bounded_float(0.0)
+
+
+# One convention for where a command reads (issue 29): ``--run-dir DIR`` names a run directory
+# (what ``engine serve --run-dir`` wrote: DIR/telemetry.db, DIR/levers.json) everywhere; ``--db`` and
+# ``--file`` stay for the file itself, where a file is what you have.
+STORE_NAME = "telemetry.db"
+LEVERS_NAME = "levers.json"
+
+
+def add_store_args(parser: argparse.ArgumentParser, *, live_note: str = "") -> None:
+    """``--run-dir DIR`` or ``--db FILE``, exactly one."""
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--run-dir", metavar="DIR", default=None,
+                       help=f"run directory (as given to engine serve --run-dir): reads DIR/{STORE_NAME}{live_note}")
+    where.add_argument("--db", metavar="FILE", default=None,
+                       help=f"the telemetry SQLite file itself (instead of --run-dir){live_note}")
+
+
+def store_path(args: argparse.Namespace) -> str:
+    return args.db if args.db is not None else os.path.join(args.run_dir, STORE_NAME)
+
+
+def add_levers_file_args(parser: argparse.ArgumentParser, *, required: bool) -> None:
+    """``--run-dir DIR`` (its levers.json) or ``--file FILE``."""
+    where = parser.add_mutually_exclusive_group(required=required)
+    where.add_argument("--run-dir", metavar="DIR", default=None,
+                       help=f"run directory (as given to engine serve --run-dir): its {LEVERS_NAME}")
+    where.add_argument("--file", metavar="FILE", default=None, help="the levers JSON file itself (instead of --run-dir)")
+
+
+def levers_path(args: argparse.Namespace) -> str | None:
+    if getattr(args, "file", None) is not None:
+        return args.file
+    return os.path.join(args.run_dir, LEVERS_NAME) if getattr(args, "run_dir", None) is not None else None

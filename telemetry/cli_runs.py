@@ -19,22 +19,22 @@ ERRORS_NOTE = "  (" + " + ".join(ev.FAILURE_STATUSES) + ")"
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     runs = subparsers.add_parser("runs", help="list the runs in a store")
-    runs.add_argument("--db", required=True, help="telemetry SQLite file")
+    cli_args.add_store_args(runs)
     runs.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    runs.set_defaults(handler=cmd_runs)
+    runs.set_defaults(handler=with_store(cmd_runs))
 
     summary = subparsers.add_parser("summary", help="one run's counters and latency percentiles")
-    summary.add_argument("--db", required=True)
+    cli_args.add_store_args(summary)
     summary.add_argument("--run", type=cli_args.run_id, default=None, help="run id (default: the latest run)")
-    summary.add_argument("--json", action="store_true")
-    summary.set_defaults(handler=cmd_summary)
+    summary.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    summary.set_defaults(handler=with_store(cmd_summary))
 
     tail = subparsers.add_parser("tail", help="print new events as they are written (Ctrl-C stops)")
-    tail.add_argument("--db", required=True)
+    cli_args.add_store_args(tail, live_note=" (may be live)")
     tail.add_argument("--run", type=cli_args.run_id, default=None, help="run id (default: the latest run)")
     tail.add_argument("--interval", type=bounded_float(0.01, 3600.0), default=0.25, help="poll interval in seconds")
     tail.add_argument("--once", action="store_true", help="print everything written so far and exit")
-    tail.set_defaults(handler=cmd_tail)
+    tail.set_defaults(handler=with_store(cmd_tail))
 
 
 def _fail(message: str) -> int:
@@ -42,12 +42,21 @@ def _fail(message: str) -> int:
     return 1
 
 
+def with_store(handler):
+    """``args.db`` becomes the store's path whichever of --run-dir / --db named it."""
+    def run(args: argparse.Namespace) -> int:
+        args.db = cli_args.store_path(args)
+        return handler(args)
+    return run
+
+
 def store_problem(db: str) -> str | None:
     """Why ``db`` cannot be a telemetry store at all (absent, a directory), or None."""
     if os.path.isdir(db):
         inside = os.path.join(db, "telemetry.db")
         hint = f"; did you mean {inside}?" if os.path.exists(inside) else ""
-        return f"{db} is a directory, not a telemetry store (--db takes the telemetry.db file){hint}"
+        return (f"{db} is a directory, not a telemetry store (--db takes the telemetry.db file; "
+                f"--run-dir takes a run directory){hint}")
     if not os.path.exists(db):
         return f"no telemetry store at {db}"
     return None
@@ -66,11 +75,13 @@ def cmd_runs(args: argparse.Namespace) -> int:
     if not runs:
         print(f"no telemetry yet in {args.db}")
         return 0
-    print(f"{'run':>4}  {'status':<9} {'started':<19} {'model':<16} {'device':<12} {'events':>9} {'dropped':>7}")
+    # Columns as wide as their widest value: nothing is cut ("cpu (Intel(R" was), the device goes last.
+    model_w = max(5, *(len(str(r["model"])) for r in runs))
+    print(f"{'run':>4}  {'status':<9} {'started':<19} {'model':<{model_w}} {'events':>9} {'dropped':>7}  device")
     for run in runs:
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(run["started_at"] or 0))
-        print(f"{run['run_id']:>4}  {run['status']:<9} {started:<19} {str(run['model'])[:16]:<16} "
-              f"{str(run['device'])[:12]:<12} {run['num_events'] or 0:>9} {run['num_dropped'] or 0:>7}")
+        print(f"{run['run_id']:>4}  {run['status']:<9} {started:<19} {str(run['model']):<{model_w}} "
+              f"{run['num_events'] or 0:>9} {run['num_dropped'] or 0:>7}  {run['device']}")
     return 0
 
 

@@ -29,6 +29,8 @@ CAP_WHOLE_PROMPT = "mla_whole_prompt"  # MLA model, mla_chunked_prefill off: nev
 CAP_SSM_TAIL = "ssm_tail_cut"
 CAP_BLOCK_ALIGN = "block_align"
 CAP_TAIL_SPLIT = "tail_split"
+CAP_ENCODER_BUDGET = "encoder_budget"  # the next image's encoder run would pass the tick's encoder budget
+CAP_IMAGE_WHOLE = "image_whole"        # image_whole on: the chunk stops before an image it would split
 
 # Can-mix blockers (None when mixing was allowed).
 BLOCK_BISECT = "bisect_no_mix"
@@ -78,9 +80,16 @@ EVENT_EP_FORWARD = "ep_forward"
 # ``GenericEvent.kind`` of a decode step compiled during a tick (detail: bucket, seconds, graphs, recompile,
 # and the running totals num_graphs / num_recompiles): the recompile counter, never one per tick.
 EVENT_DECODE_COMPILE = "decode_compile"
+EVENT_ENCODER_RUN = "encoder_run"      # the vision tower ran for an image (detail: hash, tokens, duration_ns)
+EVENT_ENCODER_HIT = "encoder_hit"      # an image's rows came from the encoder cache
 # ``GenericEvent.kind`` of the reason a run ended ``failed`` (detail: reason), e.g. expert-parallel ranks
 # that disagreed on their dtype at the start handshake, or a collective that failed mid-run.
 EVENT_RUN_FAILED = "run_failed"
+# ``GenericEvent.kind`` when no step is possible with work waiting (detail: blocker, num_waiting), and
+# when work moves again (detail: the blocker that was): engine/serve/stall_watch.py. Ticks stop in
+# between, so these two are the blocked time's only record (the Live timeline, the replay report).
+EVENT_STALLED = "stalled"
+EVENT_STALL_CLEARED = "stall_cleared"
 
 
 @dataclass
@@ -167,6 +176,9 @@ class ChunkDecision(Event):
     ep_broadcast_ns: int | None = None  # under expert parallelism: rank 0's broadcast before the forward
     first_token_rules: str | None = None  # last chunk: the first-token rules that fired, comma-separated
     slice_budget_ignored: bool = False  # the MLA whole-prompt rule ran past the slice budget in force
+    image_spans: str | None = None      # image placeholder rows the chunk covered: "image#first-end", space-separated
+    encoder_ns: int | None = None       # the vision tower's time inside this chunk's forward
+    ep_vision_sync_ns: int | None = None  # under expert parallelism: rank 0's broadcast of the image rows
 
 
 @dataclass
@@ -214,7 +226,7 @@ class RequestRecord(Event):
     prompt_tokens: list[int] = field(default_factory=list)
     output_tokens: list[int] = field(default_factory=list)
     conversation_id: int | None = None
-    source: str | None = None           # api / workload
+    source: str | None = None           # api / workload / replay (a recorded workload served again)
     features: dict[str, Any] = field(default_factory=dict)  # thinking, tool call, stop strings, logprobs
     first_token_rules: str | None = None  # the first-token rules that fired, comma-separated
     grammar: dict[str, Any] | None = None   # {"kind", "value"[, "after_think"]}: what the output obeys
@@ -222,6 +234,7 @@ class RequestRecord(Event):
     grammar_ready_tick: int | None = None   # tick its compile was seen done (a replay waits for it)
     grammar_valid: bool | None = None       # the ended output is a complete sentence of its grammar
     grammar_approximations: str | None = None   # schema keywords a lenient compile ignored, comma-separated
+    num_images: int = 0                     # images in the prompt (engine/multimodal/)
 
 
 @dataclass

@@ -16,67 +16,12 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from telemetry.lever_spec import Lever, LeversError
+
 MAX_FILE_BYTES = 64 * 1024
-ENV_PREFIX = "CHUNKSCOPE_"
 
 SPECULATION_CHOICES = ("off", "ngram", "mtp", "self")
 PREEMPT_POLICIES = ("most_blocks", "newest", "fewest_output")
-
-
-class LeversError(ValueError):
-    """A lever value, environment variable or levers file was rejected (one-line message)."""
-
-
-@dataclass(frozen=True)
-class Lever:
-    name: str
-    type: type                                  # bool, int or str
-    default: Any
-    help: str
-    choices: tuple[str, ...] | None = None      # for str levers
-    bounds: tuple[int, int] | None = None       # inclusive, for int levers
-
-    @property
-    def env_var(self) -> str:
-        return ENV_PREFIX + self.name.upper()
-
-    def check(self, value: Any) -> Any:
-        """Return ``value`` if it is valid for this lever, else raise LeversError."""
-        # bool is a subclass of int: an int lever must not take true/false, nor vice versa.
-        if type(value) is not self.type:
-            raise LeversError(f"lever {self.name}: expected {self.type.__name__}, "
-                              f"got {type(value).__name__} {value!r}")
-        if self.bounds is not None and not self.bounds[0] <= value <= self.bounds[1]:
-            raise LeversError(f"lever {self.name}: {value} is outside [{self.bounds[0]}, {self.bounds[1]}]")
-        if self.choices is not None and value not in self.choices:
-            raise LeversError(f"lever {self.name}: {value!r} is not one of {', '.join(self.choices)}")
-        return value
-
-    def parse_text(self, text: str) -> Any:
-        """Parse an environment / command-line string into a checked value."""
-        raw = text.strip()
-        if self.type is bool:
-            lowered = raw.lower()
-            if lowered in ("1", "true", "yes", "on"):
-                return True
-            if lowered in ("0", "false", "no", "off"):
-                return False
-            raise LeversError(f"lever {self.name}: {text!r} is not a boolean (use 1/0, true/false)")
-        if self.type is int:
-            try:
-                return self.check(int(raw, 10))
-            except ValueError as exc:
-                if isinstance(exc, LeversError):
-                    raise
-                raise LeversError(f"lever {self.name}: {text!r} is not an integer") from None
-        return self.check(raw)
-
-    def describe_range(self) -> str:
-        if self.choices is not None:
-            return " / ".join(self.choices)
-        if self.bounds is not None:
-            return f"{self.bounds[0]}..{self.bounds[1]}"
-        return "true / false"
 
 
 LEVERS: tuple[Lever, ...] = (
@@ -160,6 +105,17 @@ LEVERS: tuple[Lever, ...] = (
           "a longer prompt can never start and is rejected with the reason instead of stalling the "
           "queue. Watch: rejected requests naming max_tick_tokens.",
           bounds=(1, 1 << 20)),
+    Lever("encoder_budget", int, 0,
+          "Vision checkpoints: the most image embedding rows the vision tower may newly encode per tick "
+          "(0: no limit). A chunk that would first cover an image past the budget stops before it (the "
+          "image at the chunk's start always runs, so prompts progress); cached images cost nothing. "
+          "Watch: chunks with cap encoder_budget, encoder_ns on chunk rows, TTFT of image prompts.",
+          bounds=(0, 1 << 20)),
+    Lever("image_whole", bool, False,
+          "Vision checkpoints: never end a chunk inside an image's placeholder tokens; the chunk stops "
+          "before the image instead (an image longer than the chunk cap is still split). Off, chunks "
+          "split images and take their rows' slice of the cached embeddings. Watch: chunks with cap "
+          "image_whole, image spans on chunk rows."),
 )
 LEVERS_BY_NAME: dict[str, Lever] = {lever.name: lever for lever in LEVERS}
 
@@ -184,6 +140,8 @@ class LeverValues:
     kv_blocks_cap: int = 0
     mla_chunked_prefill: bool = False
     max_tick_tokens: int = 4096
+    encoder_budget: int = 0
+    image_whole: bool = False
 
     def __post_init__(self) -> None:
         for name, value in self.as_dict().items():

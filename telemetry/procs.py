@@ -16,7 +16,17 @@ def is_pid_alive(pid: Any) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    return not is_zombie(pid)
+
+
+def is_zombie(pid: int) -> bool:
+    """Exited, waiting for its parent to collect it: a SIGKILLed engine is dead from this moment, though
+    the signal check above still finds its pid (the parent, ./run.sh or a test, reaps it later)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] == "Z"
 
 
 def is_engine_pid(pid: Any) -> bool:

@@ -225,6 +225,9 @@ ADDED_COLUMNS: dict[str, dict[str, dict[str, type]]] = {
                                 "kv_tokens_total": int}},
     # MLA: a whole-prompt chunk that ran past the slice budget (the reference's rule, issue 27).
     "0005_mla_whole_prompt": {"chunks": {"slice_budget_ignored": int}},
+    # Vision (issue 28): the image rows a chunk covered and the tower's time; images per request.
+    "0006_vision": {"chunks": {"image_spans": str, "encoder_ns": int, "ep_vision_sync_ns": int},
+                    "requests": {"num_images": int}},
 }
 
 

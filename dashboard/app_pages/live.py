@@ -92,9 +92,10 @@ def render_now(ctx: RunContext) -> None:
     counters(c, now, ctx.is_running)
     if now is None and ctx.is_running and age is not None and age > context.STALE_AFTER_S:
         st.warning(f"Run {ctx.run_id} is marked running but no tick has arrived for {age:.0f} s.")
-    win = data.timeline_window(ctx.db, ctx.run_id, key, float(window_s))
+    open_end_ms = heartbeat_view.open_stall_end_ms(now)     # a stall still open is drawn up to now
+    win = data.timeline_window(ctx.db, ctx.run_id, key, float(window_s), open_end_ms)
     cap = MAX_STREAM_EVENTS if win.stream_events_capped else None
-    spec = data.timeline_spec(ctx.db, ctx.run_id, key, float(window_s))
+    spec = data.timeline_spec(ctx.db, ctx.run_id, key, float(window_s), open_end_ms)
     clicked = live_timeline.render(spec, key="live_timeline", revision=end_ns)   # stays mounted: zoom kept
     open_clicked_request(ctx, clicked)
     mode = "bucketed into WebGL segments" if win.is_bucketed else "one bar per forward"
@@ -102,6 +103,8 @@ def render_now(ctx: RunContext) -> None:
                f"{mode}; {len(win.stream_events)} stream events{' (capped: newest only)' if cap else ''}, "
                f"{len(win.preemptions)} preemptions, "
                f"{len(win.lever_changes)} lever changes"
+               + (f", blocked {sum(win.stalls['end_ms'] - win.stalls['start_ms']) / 1e3:.1f} s"
+                  if len(win.stalls) else "")
                + kv_gauges.kv_quant_caption(data.kv_quant_status(ctx.db, ctx.run_id, ctx.version))
                + kv_gauges.kv_kind_caption(ctx.run.get("config")))
 
@@ -114,9 +117,10 @@ def render_details(ctx: RunContext) -> None:
         return                          # the counters' fragment says there are no ticks yet
     end_ns = int(c["t_ns"] + c["duration_ns"])
     latency = data.latency_percentiles(ctx.db, ctx.run_id, ctx.version)
-    left, right = st.columns([2, 3])
+    # three fifths of the row: in two its count column sat past the box at 1280 px (issue 29, item 12)
+    left, right = st.columns([3, 2])
     tables.show(latency.drop(columns="scope").round(2), key="live_latency_table", where=left)
-    left.caption(f"latency over the {latency['scope'].iloc[0]}")
+    left.caption(f"latency over {latency['scope'].iloc[0]}")
     right.plotly_chart(charts.latency_figure(latency), key="live_latency", width="stretch")
     api_panel.render(ctx, end_ns, window_s)
     prefix_panel.render(ctx)

@@ -5,6 +5,7 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import context
+from dashboard.words import plural
 from dashboard.panels import bundle as bundle_panel
 from dashboard.figures import charts
 from dashboard.queries import data
@@ -17,10 +18,6 @@ st.title("Runs")
 
 def _cell(value):
     return "–" if value is None or pd.isna(value) else round(value, 3)
-
-
-def plural(count: int, noun: str) -> str:
-    return f"{count} {noun}" + ("" if count == 1 else "s")
 
 
 def _local_time(epoch_s: pd.Series) -> pd.Series:

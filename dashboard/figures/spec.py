@@ -41,28 +41,28 @@ def drafts_timeline_figure(steps: pd.DataFrame, drops: pd.DataFrame, window_ms: 
 
     ``steps`` columns: ``t_ms``, ``tick``, ``spec_kind``, ``num_drafted``, ``num_accepted``,
     ``num_emitted``; ``drops``: ``t_ms``, ``tick``, ``num_dropped``, ``path``,
-    ``num_prefill_tokens``, ``num_decode_tokens`` (the fused tick's row). Same time axis (ms since
-    run start) as the Live timeline.
+    ``num_prefill_tokens``, ``num_decode_tokens`` (the fused tick's row); ``window_ms`` in ms. Drawn on
+    the Live timeline's axis: seconds since run start.
     """
     fig = go.Figure()
     if len(steps):
         custom = steps[["tick", "spec_kind", "num_emitted"]].values.tolist()
-        fig.add_trace(go.Bar(name="drafted", x=steps["t_ms"].tolist(), y=steps["num_drafted"].tolist(),
+        fig.add_trace(go.Bar(name="drafted", x=(steps["t_ms"] / 1e3).tolist(), y=steps["num_drafted"].tolist(),
                              marker_color="#c7c7c7", customdata=custom,
                              hovertemplate="tick %{customdata[0]} (%{customdata[1]}): %{y} drafted<extra></extra>"))
-        fig.add_trace(go.Bar(name="accepted", x=steps["t_ms"].tolist(), y=steps["num_accepted"].tolist(),
+        fig.add_trace(go.Bar(name="accepted", x=(steps["t_ms"] / 1e3).tolist(), y=steps["num_accepted"].tolist(),
                              marker_color=[spec_kind_color(k) for k in steps["spec_kind"]], customdata=custom,
                              hovertemplate="tick %{customdata[0]} (%{customdata[1]}): %{y} accepted, "
                                            "%{customdata[2]} emitted<extra></extra>"))
     if len(drops):
         fig.add_trace(go.Scatter(
-            name="drafts dropped (fused tick)", x=drops["t_ms"].tolist(), y=drops["num_dropped"].tolist(),
+            name="drafts dropped (fused tick)", x=(drops["t_ms"] / 1e3).tolist(), y=drops["num_dropped"].tolist(),
             mode="markers", marker={"symbol": "x", "size": 11, "color": [path_color(p) for p in drops["path"]]},
             customdata=drops[["tick", "path", "num_prefill_tokens", "num_decode_tokens"]].values.tolist(),
             hovertemplate="%{y} drafts dropped at tick %{customdata[0]}: a %{customdata[1]} forward of "
                           "%{customdata[2]} prefill + %{customdata[3]} decode tokens<extra></extra>"))
     fig.update_layout(barmode="overlay", bargap=0.1, height=260, margin=_MARGIN,
                       title="drafted / accepted per speculative tick; × = drafts dropped by a fused tick",
-                      xaxis={"title": "ms since run start", "range": list(window_ms)},
+                      xaxis={"title": "s since run start", "range": [x / 1e3 for x in window_ms]},
                       yaxis_title="drafts", uirevision=DRAFTS_UIREVISION)
     return fig

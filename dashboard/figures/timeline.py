@@ -1,13 +1,16 @@
 """The Live page's stream-lane timeline: a pure DataFrame -> Figure builder.
 
-Lanes, top to bottom: ``events`` (preemption, lever-change and KV quantization state markers),
+Lanes, top to bottom: ``events`` (preemption, lever-change and KV quantization state markers, and
+each spell the engine was blocked as a bar here and a band across every lane),
 ``scheduler`` (one bar per forward, coloured by path), ``roofline`` (each
 forward's share of its roofline, on a log scale from 1% to 100%), then one lane per
 stream (``default``, ``prefill``, ``secondary``) with record / wait / sync
 markers, GPU-timed intervals and record -> wait links; under expert
 parallelism one lane per rank below them (``rank_lanes.py``).
 
-Horizontal bars (base=start, x=duration) give a millisecond Gantt chart;
+Times arrive in ms since run start (the queries' unit) and are drawn in seconds since run
+start (the x axis of every other chart); hovers give durations in ms.
+Horizontal bars (base=start, x=duration) give a Gantt chart;
 past ``WEBGL_THRESHOLD`` intervals the forwards become ``scattergl`` line
 segments, which the browser draws on the GPU instead of as SVG.
 
@@ -29,8 +32,10 @@ import plotly.graph_objects as go
 import plotly.io as pio
 
 from dashboard.figures.palette import FALLBACK_COLOR, KIND_COLORS, KIND_SYMBOLS, LEVER_COLOR, PATH_COLORS, path_color
+from dashboard.figures.encoder_lane import LANE_NAME as ENCODER_LANE, encoder_lane_traces
 from dashboard.figures.rank_lanes import empty_rank_forwards, rank_lane_traces
 from dashboard.figures.roofline_lane import roofline_trace
+from dashboard.figures.stall_band import stall_band
 
 LANES = ("events", "scheduler", "roofline", "default", "prefill", "secondary")
 STREAM_LANES = ("default", "prefill", "secondary")
@@ -48,11 +53,14 @@ _CHUNK_HOVER = ("<br>chunk: request %{customdata[3]}, %{customdata[4]} tokens, d
 MAX_LEVER_LINES = 20     # labelled vertical lines; more changes in the window stay markers only
 _FORWARD_HOVER = (
     "tick %{customdata[0]} · %{fullData.name}<br>"
-    "start %{base:.2f} ms, %{x:.3f} ms<br>"
+    "start %{base:.3f} s, %{customdata[6]:.3f} ms<br>"
     "prefill tokens %{customdata[1]} · decode tokens %{customdata[2]}"
 )
 _SEGMENT_HOVER = "%{customdata[0]} forwards · %{fullData.name}<br>%{customdata[1]} tokens in this slice<extra></extra>"
-_FORWARD_COLUMNS = ["tick", "num_prefill_tokens", "num_decode_tokens", "request_id", "chunk_len", "decode_width"]
+# customdata[3] is the request id a click opens (timeline_frontend/index.html)
+_FORWARD_COLUMNS = ["tick", "num_prefill_tokens", "num_decode_tokens", "request_id", "chunk_len", "decode_width",
+                    "dur_ms"]
+MS_PER_S = 1000.0
 
 
 def lane_y(lanes: pd.Series) -> np.ndarray:
@@ -111,8 +119,8 @@ def _stream_traces(stream_events: pd.DataFrame, links: pd.DataFrame) -> list:
         traces.append(dict(
             type="bar", name="GPU-timed interval", y=lane_y(timed["stream"]),
             base=timed["t_ms"].to_numpy(dtype=float) - elapsed,
-            x=elapsed, orientation="h", marker={"color": "rgba(120,120,120,0.35)"}, width=0.4,
-            hovertemplate="%{x:.3f} ms on the device<extra></extra>",
+            x=elapsed, orientation="h", marker={"color": "rgba(120,120,120,0.35)"}, width=0.4, customdata=elapsed,
+            hovertemplate="%{customdata:.3f} ms on the device<extra></extra>",
         ))
     for kind, rows in stream_events.groupby("kind", sort=True):
         # a wait is drawn on the stream it makes wait (target_stream), where the link lands
@@ -124,7 +132,7 @@ def _stream_traces(stream_events: pd.DataFrame, links: pd.DataFrame) -> list:
                     "color": KIND_COLORS.get(str(kind), FALLBACK_COLOR)},
             customdata=rows[["seq", "tick"]].to_numpy(dtype=float), text=rows["event_name"].astype(str).tolist(),
             hovertemplate=f"{kind} %{{text}} (seq %{{customdata[0]}}, tick %{{customdata[1]}})"
-                          " at %{x:.2f} ms<extra></extra>",
+                          " at %{x:.3f} s<extra></extra>",
         ))
     if len(links):
         n = len(links)
@@ -175,6 +183,20 @@ def _kv_quant_traces(changes: pd.DataFrame | None) -> list[dict]:
     )]
 
 
+def _in_seconds(traces: list[dict], shapes: list[dict], annotations: list[dict]) -> None:
+    """Every x (ms since run start) to seconds, in place: bars' base and length, points, shapes."""
+    for trace in traces:
+        if trace.get("orientation") == "h" and "base" in trace:
+            trace["base"] = np.asarray(trace["base"], dtype=float) / MS_PER_S
+        if "x" in trace:
+            trace["x"] = np.asarray(trace["x"], dtype=float) / MS_PER_S
+    for shape in shapes:
+        shape["x0"], shape["x1"] = shape["x0"] / MS_PER_S, shape["x1"] / MS_PER_S
+    for note in annotations:
+        if note.get("xref") == "x":
+            note["x"] = note["x"] / MS_PER_S
+
+
 @functools.cache
 def _template() -> dict:
     """Plotly's "plotly_white" template as a dict, built once: the frame draws outside Streamlit's
@@ -192,6 +214,8 @@ def timeline_dict(
     stream_events_cap: int | None = None,
     kv_quant_changes: pd.DataFrame | None = None,
     rank_forwards: pd.DataFrame | None = None,
+    encoder: pd.DataFrame | None = None,
+    stalls: pd.DataFrame | None = None,
 ) -> dict:
     """Build the lane timeline as a plain Plotly figure dict (``{"data": [...], "layout": {...}}``).
 
@@ -199,8 +223,11 @@ def timeline_dict(
     ``path``, token counts, chunk columns) or, when already downsampled in SQL,
     one row per (time bucket, path) with ``start_ms``, ``end_ms``, ``num_ticks``,
     ``num_tokens``. Bucketed rows, or more than ``WEBGL_THRESHOLD`` raw rows,
-    are drawn as WebGL segments. Applied lever changes are labelled vertical lines.
+    are drawn as WebGL segments. Applied lever changes are labelled vertical lines. ``stalls``
+    (``start_ms``, ``end_ms``, ``blocker``, ``is_open``): spells the engine was blocked.
+    ``x_range`` is in ms like the rows; the figure's x axis is in seconds.
     ``stream_events_cap``: the stream events were cut at this many; the chart says so.
+    ``encoder``: vision-tower runs and encoder-cache hits (``encoder_lane.py``), a lane below the ranks'.
     """
     is_bucketed = "end_ms" in forwards.columns
     webgl = is_bucketed or len(forwards) > WEBGL_THRESHOLD
@@ -220,7 +247,15 @@ def timeline_dict(
     rank_traces, rank_y, rank_names = rank_lane_traces(
         rank_forwards if rank_forwards is not None else empty_rank_forwards(), -1.0)
     traces += rank_traces
+    if encoder is not None and not encoder.empty:
+        encoder_y = -1.0 - len(rank_y)
+        traces += encoder_lane_traces(encoder, encoder_y)
+        rank_y, rank_names = rank_y + [encoder_y], rank_names + [ENCODER_LANE]
+    stall_traces, stall_shapes, stall_notes = stall_band(stalls, LANE_Y["events"])
+    traces = stall_traces + traces               # the band's bar under the markers of the events lane
     shapes, annotations = _lever_lines(lever_changes)
+    shapes, annotations = stall_shapes + shapes, stall_notes + annotations
+    _in_seconds(traces, shapes, annotations)
     if stream_events_cap:
         annotations.append({"text": f"stream events: only the newest {stream_events_cap:,} in this window are drawn",
                             "xref": "paper", "yref": "paper", "x": 0, "y": -0.18, "showarrow": False,
@@ -232,7 +267,8 @@ def timeline_dict(
         "template": _template(), "barmode": "overlay", "uirevision": TIMELINE_UIREVISION,
         "height": 380 + 40 * len(rank_y), "margin": {"l": 10, "r": 10, "t": 30, "b": 40},
         "legend": {"orientation": "h", "y": 1.12},
-        "xaxis": {"title": {"text": "ms since run start"}, **({"range": list(x_range)} if x_range else {})},
+        "xaxis": {"title": {"text": "s since run start"},
+                  **({"range": [x / MS_PER_S for x in x_range]} if x_range else {})},
         "yaxis": {"tickmode": "array", "tickvals": [LANE_Y[lane] for lane in LANES] + rank_y,
                   "ticktext": list(LANES) + rank_names, "range": [-0.5 - len(rank_y), len(LANES) - 0.5],
                   "zeroline": False, "fixedrange": True, "automargin": True},

@@ -22,29 +22,40 @@ RESULT_KEY = "replay_result"
 BUILT_KEY = "bundle_built"
 
 
-def _window() -> tuple[float | None, float | None]:
+def _window() -> tuple[float | None, float | None, str | None]:
+    """The two boxes and what is wrong with them. No ``min_value``: a browser box with one shows a typed
+    -5 while Streamlit silently resets the value to empty; here -5 arrives and gets its message."""
     cols = st.columns(2)
-    since = cols[0].number_input("from s (optional)", min_value=0.0, value=None, step=1.0, key="bundle_since_s",
-                                 help="keep rows from this many seconds after the run started")
-    until = cols[1].number_input("until s (optional)", min_value=0.0, value=None, step=1.0, key="bundle_until_s",
+    since = cols[0].number_input("from s (optional)", value=None, step=1.0, key="bundle_since_s",
+                                 help="keep rows from this many seconds after the run started (0 or more)")
+    until = cols[1].number_input("until s (optional)", value=None, step=1.0, key="bundle_until_s",
                                  help="keep rows before this many seconds after the run started")
-    return since, until
+    problem = bundles.window_problem(since, until)
+    if problem:
+        st.error(problem)
+    return since, until, problem
 
 
 def export_section(ctx: RunContext, run_id: int) -> None:
     st.subheader("Bug-report bundle")
     st.caption("One zip: manifest, a consistent telemetry snapshot, a Perfetto trace, the workload and a "
                "summary. Built only when you click, into the run directory's `bundles/` folder.")
-    since, until = _window()
-    if st.button(f"Build bundle of run {run_id}", key="bundle_build", icon=":material/archive:"):
-        with st.spinner(f"exporting run {run_id}…"):
-            try:
-                result = bundles.build_bundle(ctx.paths, run_id, since, until)
-            except (BundleError, OSError) as exc:
-                st.session_state[BUILT_KEY] = None
-                st.error(f"Bundle not built: {exc}")
-            else:
-                st.session_state[BUILT_KEY] = str(result.path)
+    since, until, problem = _window()
+    if st.button(f"Build bundle of run {run_id}", key="bundle_build", icon=":material/archive:",
+                 disabled=problem is not None):
+        bar = st.progress(0.0, text=f"exporting run {run_id}…")
+
+        def progress(step: str) -> None:
+            share, label = bundles.step_fraction(step)
+            bar.progress(share, text=f"exporting run {run_id}: {label}")
+        try:
+            result = bundles.build_bundle(ctx.paths, run_id, since, until, progress=progress)
+        except (BundleError, OSError) as exc:
+            st.session_state[BUILT_KEY] = None
+            st.error(f"Bundle not built: {exc}")
+        else:
+            st.session_state[BUILT_KEY] = str(result.path)
+        bar.empty()
     built = st.session_state.get(BUILT_KEY)
     if built:
         st.success(f"Wrote `{built}`.")
@@ -97,6 +108,10 @@ def _show_result(result: dict) -> None:
     report = result["report"]
     level, text = replay_check.headline(report)
     (st.success if level == "success" else st.warning)(text)
+    stall = report.get("stall") or {}
+    if stall.get("lines"):      # lever changes, blocked time and TTFT p99, recorded vs replayed
+        blocked = bool((stall.get("blocked_s") or {}).get("recorded"))
+        (st.warning if blocked else st.info)("  \n".join(stall["lines"]), icon=":material/timer:")
     tables.show(replay_check.request_table(report), key="replay_requests")
 
 

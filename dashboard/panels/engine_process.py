@@ -33,17 +33,30 @@ def render(paths: RunPaths, ctx: RunContext | None) -> None:
         st.success(f"Engine running: run {ctx.run_id} is live (pid {ctx.run.get('pid')}, started outside "
                    "the dashboard; stop it where it was started).")
         return
-    st.warning("No engine running: no live process writes to this run directory, so nothing new will "
-               f"arrive. ({status.note})")
-    with st.expander("Start an engine", expanded=ctx is None):
+    crashed = ctx is not None and ctx.run.get("status") == "crashed"
+    if crashed:
+        st.error(f"No engine running: run {ctx.run_id} crashed (its process, pid {ctx.run.get('pid')}, died "
+                 "without closing the run). Every page still shows what it recorded; restart below.",
+                 icon=":material/error:")
+    else:
+        st.warning("No engine running: no live process writes to this run directory, so nothing new will "
+                   f"arrive. ({status.note})")
+    start_form(paths, ctx, crashed)
+
+
+def start_form(paths: RunPaths, ctx: RunContext | None, crashed: bool) -> None:
+    """Start an engine; after a crash the form is open and holds the crashed run's model, workload and rate."""
+    model, workload, rate = restart_settings(ctx.run if ctx is not None else {})
+    with st.expander("Restart the engine" if crashed else "Start an engine", expanded=ctx is None or crashed):
         with st.form("engine_start"):
             cols = st.columns(3)
-            model = cols[0].text_input("model", value="tiny",
+            model = cols[0].text_input("model", value=model,
                                        help="'tiny' or a checkpoint directory inside the run directory")
-            workload = cols[1].selectbox("workload", engine_control.WORKLOADS)
+            workload = cols[1].selectbox("workload", engine_control.WORKLOADS,
+                                         index=engine_control.WORKLOADS.index(workload))
             rate = cols[2].number_input("rate (requests/s)", min_value=0.1, max_value=engine_control.MAX_RATE,
-                                        value=4.0, step=0.5)
-            if st.form_submit_button("Start engine"):
+                                        value=rate, step=0.5)
+            if st.form_submit_button("Restart engine" if crashed else "Start engine"):
                 try:
                     pid = engine_control.start_engine(paths, model, workload, rate)
                 except engine_control.EngineControlError as exc:
@@ -51,3 +64,17 @@ def render(paths: RunPaths, ctx: RunContext | None) -> None:
                 else:
                     st.toast(f"engine started (pid {pid})")
                     st.rerun()
+
+
+def restart_settings(run: dict) -> tuple[str, str, float]:
+    """(model, workload, rate) for the start form: the run's own where the form can start them, else the
+    defaults (a run of a model the form cannot name starts the tiny model)."""
+    workload = run.get("workload") or {}
+    model = run.get("model") if run.get("model") in engine_control.BUILTIN_MODELS else "tiny"
+    kind = workload.get("kind") if workload.get("kind") in engine_control.WORKLOADS else "synthetic"
+    try:
+        rate = float(workload.get("rate"))
+    except (TypeError, ValueError):
+        rate = 4.0
+    rate = rate if 0.1 <= rate <= engine_control.MAX_RATE else 4.0
+    return model, kind, rate

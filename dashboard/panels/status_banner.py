@@ -34,7 +34,9 @@ def banner_for(status: dict[str, Any] | None, is_alive: bool) -> Banner | None:
 
     * telemetry_error while the engine serves -> error: the dashboard's data stops here;
     * telemetry_error in a run that has ended -> warning: its data is incomplete;
-    * heartbeat stale while the pid lives -> warning: the loop is stuck or starved.
+    * heartbeat stale while the pid lives -> warning: the loop is stuck or starved;
+    * "serving" from a pid that is gone -> error: the engine crashed (killed, out of memory) without
+      closing its run. The dashboard outlives it: every page reads what the run recorded.
     """
     if not status:
         return None
@@ -50,6 +52,10 @@ def banner_for(status: dict[str, Any] | None, is_alive: bool) -> Banner | None:
         return Banner("warning", f"The last engine run (pid {pid}, {state or 'ended'}) reported a telemetry "
                                  f"failure: {error}; {num_dropped:,} events were dropped, so its data is "
                                  f"incomplete.")
+    if state == "serving" and not is_alive:
+        return Banner("error", f"Engine crashed: run {status.get('run_id')} (pid {pid}) died at tick {tick} "
+                               "without closing its run. Every page still shows what it recorded; start "
+                               "a new engine from the Live page.")
     if status.get("is_stale") and is_alive and state == "serving":
         return Banner("warning", f"The engine (pid {pid}) is alive but its heartbeat "
                                  f"(engine_status.json) has not moved for "

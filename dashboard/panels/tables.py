@@ -21,6 +21,9 @@ CHAR_PX = 8.0        # a character of the grid's 14 px sans-serif font, rounded 
 PAD_PX = 36          # cell padding both sides, plus the header's sort / menu affordance
 MIN_PX = 60
 MAX_PX = 560
+ROW_PX = 35          # the grid's row (and header) height at the default density
+ALL_ROWS_UP_TO = 30  # a table this short shows every row: the grid's own default height shows ~10 and
+# hid the Levers tables' last rows without a hint (issue 29, item 5); longer tables scroll
 SAMPLE_ROWS = 2_000  # the widest value among this many rows (tables here show at most a few thousand)
 INDEX_KEY = "_index"
 
@@ -84,9 +87,47 @@ def column_widths(frame: pd.DataFrame, column_config: Mapping[str, Any] | None =
     return out
 
 
+def full_height(num_rows: int) -> int | None:
+    """Pixels that show the header and every one of ``num_rows`` rows, for a table of at most
+    ``ALL_ROWS_UP_TO`` rows; None (the grid's default, a scrolled box) for a longer one."""
+    return ROW_PX * (num_rows + 1) + 3 if num_rows <= ALL_ROWS_UP_TO else None
+
+
+def columns_past(widths: Mapping[str, dict], columns: list[str], budget_px: int) -> list[str]:
+    """The columns, in order, that start past ``budget_px``: what a window that wide shows only after
+    a sideways scroll (the page names them in a caption)."""
+    left, past = 0, []
+    for name in columns:
+        left += int(widths.get(name, {}).get("width") or MIN_PX)
+        if left > budget_px:
+            past.append(name)
+    return past
+
+
 def show(frame: pd.DataFrame, *, key: str, column_config: Mapping[str, Any] | None = None,
          hide_index: bool = True, where: Any = None, **kwargs: Any) -> Any:
-    """``st.dataframe`` (or ``where.dataframe``: a column, the sidebar) with content-sized columns."""
+    """``st.dataframe`` (or ``where.dataframe``: a column, the sidebar) with content-sized columns,
+    as tall as its rows when it has at most ``ALL_ROWS_UP_TO``."""
     target = st if where is None else where
+    if kwargs.get("height") is None and (height := full_height(len(frame))) is not None:
+        kwargs["height"] = height
     return target.dataframe(frame, hide_index=hide_index, key=key,
                             column_config=column_widths(frame, column_config, hide_index=hide_index), **kwargs)
+
+
+# The table area of the main column at a 1280 px window with the sidebar open (measured in chromium by
+# tests/dashboard/test_browser_newcomer.py): the columns a page leads with must fit in it.
+VIEW_PX_1280 = 818
+
+
+def show_wide(frame: pd.DataFrame, *, key: str, column_config: Mapping[str, Any] | None = None,
+              **kwargs: Any) -> Any:
+    """``show``, then a caption naming the columns a 1280 px window shows only after a sideways
+    scroll, so nothing is hidden without a hint."""
+    shown = show(frame, key=key, column_config=column_config, **kwargs)
+    widths = column_widths(frame, column_config)
+    past = columns_past(widths, [str(c) for c in frame.columns], VIEW_PX_1280)
+    if past:
+        labels = [str(widths[c].get("label") or c) for c in past]
+        st.caption(f"Scroll the table sideways for {', '.join(labels)}.")
+    return shown

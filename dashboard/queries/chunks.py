@@ -12,17 +12,21 @@ from pathlib import Path
 import pandas as pd
 
 from dashboard.queries.db import placeholders, query_df, query_one
+from dashboard.queries.ids import IdSelection
 from dashboard.queries.totals import run_totals_of
 from telemetry import events as ev
 
 NO_BLOCKER = "(none: mixing allowed)"
 PATHS = (ev.PATH_MIXED, ev.PATH_PREFILL)
 CAP_RULES = (ev.CAP_REMAINING, ev.CAP_MAX_PREFILL, ev.CAP_SLICE_BUDGET, ev.CAP_WHOLE_PROMPT,
-             ev.CAP_SSM_TAIL, ev.CAP_BLOCK_ALIGN, ev.CAP_TAIL_SPLIT)
+             ev.CAP_SSM_TAIL, ev.CAP_BLOCK_ALIGN, ev.CAP_TAIL_SPLIT, ev.CAP_ENCODER_BUDGET, ev.CAP_IMAGE_WHOLE)
 BLOCKERS = (NO_BLOCKER, ev.BLOCK_BISECT, ev.BLOCK_NO_DECODES, ev.BLOCK_EXPERT_PARALLEL, ev.BLOCK_SPECULATION)
-TABLE_COLUMNS = ("tick", "request_id", "offset", "length", "prompt_len", "is_last", "cap_rule",
-                 "max_prefill_tokens", "slice_budget", "slice_budget_ignored", "ssm_tail_boundary", "path", "can_mix", "mix_blocker",
-                 "decode_width", "duration_ns", "outcome", "num_preempted", "kv_quant_state")
+# What a user opens Chunks for first (the decision: path, can_mix, its blocker, the cap rule and the
+# chunk) so it fits a 1280 px window; the lever values, outcome and image columns after (issue 29, item 5).
+TABLE_COLUMNS = ("tick", "request_id", "path", "can_mix", "mix_blocker", "cap_rule", "offset", "length",
+                 "prompt_len", "is_last", "duration_ns", "decode_width", "max_prefill_tokens", "slice_budget",
+                 "slice_budget_ignored", "ssm_tail_boundary", "outcome", "num_preempted", "kv_quant_state",
+                 "image_spans", "encoder_ns")
 NUM_HIST_BINS = 40
 NEWEST_SCOPE = 10_000          # default view: the newest decisions (minutes of a busy run), so cost stays flat
 NUM_SHARE_BUCKETS = 60
@@ -30,7 +34,7 @@ NUM_SHARE_BUCKETS = 60
 
 @dataclass(frozen=True)
 class ChunkFilter:
-    request_id: int | None = None
+    requests: IdSelection | None = None  # None = any request (ids and ranges: dashboard/queries/ids.py)
     paths: tuple[str, ...] = ()          # empty = any
     cap_rules: tuple[str, ...] = ()
     blockers: tuple[str, ...] = ()       # may include NO_BLOCKER
@@ -41,9 +45,10 @@ class ChunkFilter:
         if self.min_tick is not None:       # a range of the (run_id, tick) index
             clauses.append("tick >= ?")
             params.append(self.min_tick)
-        if self.request_id is not None:
-            clauses.append("request_id = ?")
-            params.append(int(self.request_id))
+        if self.requests is not None:
+            where, values = self.requests.where("request_id")
+            clauses.append(where)
+            params += values
         if self.paths:
             clauses.append(f"path IN ({placeholders(self.paths)})")
             params += list(self.paths)

@@ -54,12 +54,23 @@ def timeline_version(db: str, run_id: int, version: Version) -> Version:
     row = query_one(Path(db), "SELECT (SELECT MAX(id) FROM ticks) AS ticks, "
                               "(SELECT MAX(id) FROM stream_events) AS streams, "
                               "(SELECT MAX(id) FROM preemptions) AS preemptions, "
-                              "(SELECT MAX(id) FROM lever_changes) AS levers") or {}
-    return run_id, row.get("ticks"), row.get("streams"), row.get("preemptions"), row.get("levers")
+                              "(SELECT MAX(id) FROM lever_changes) AS levers, "
+                              "(SELECT MAX(id) FROM events) AS events") or {}   # a stall starts or clears
+    return (run_id, row.get("ticks"), row.get("streams"), row.get("preemptions"), row.get("levers"),
+            row.get("events"))
+
+
+def run_row(db: str, run_id: int, version: Version) -> dict | None:
+    """The run's row with its status as of now: the cached row's ``version`` holds still once a killed
+    engine stops writing ("running" in the store), so whether its process lives is asked on every call."""
+    row = _run_row(db, run_id, version)
+    if row is None:
+        return None
+    return {**row, "status": queries_runs.shown_status(version[1], row["pid"], row["hostname"])}
 
 
 @st.cache_data(max_entries=_ENTRIES, show_spinner=False)
-def run_row(db: str, run_id: int, version: Version) -> dict | None:
+def _run_row(db: str, run_id: int, version: Version) -> dict | None:
     return queries_runs.run_row(Path(db), run_id)
 
 
@@ -73,23 +84,26 @@ def live_counters(db: str, run_id: int, version: Version, window_s: float) -> di
 
 
 @st.cache_data(max_entries=_ENTRIES, show_spinner=False)
-def timeline_window(db: str, run_id: int, version: Version, window_s: float):
-    return queries_live.timeline_window(Path(db), run_id, window_s)
+def timeline_window(db: str, run_id: int, version: Version, window_s: float, open_end_ms: float | None = None):
+    return queries_live.timeline_window(Path(db), run_id, window_s, open_end_ms)
 
 
 @st.cache_data(max_entries=_ENTRIES, show_spinner=False)
-def timeline_spec(db: str, run_id: int, version: Version, window_s: float) -> str:
+def timeline_spec(db: str, run_id: int, version: Version, window_s: float, open_end_ms: float | None = None) -> str:
     """The Live timeline's figure as Plotly JSON, cached like the rows it is drawn from.
 
     Building and serializing it is most of a Live refresh's CPU (about 0.5 s on a loaded
     2-core box); while nothing new arrives (a blocked or idle engine, a finished run) the
     version holds and a refresh costs a lookup, which leaves the page free to name a stall.
+    ``open_end_ms``: while the engine is blocked, now (in coarse steps), where the open stall ends.
     """
-    win = timeline_window(db, run_id, version, window_s)
+    win = timeline_window(db, run_id, version, window_s, open_end_ms)
     cap = queries_live.MAX_STREAM_EVENTS if win.stream_events_capped else None
     return charts.timeline_json(win.forwards, win.stream_events, win.links, win.preemptions, win.lever_changes,
                                 (win.start_ms, win.end_ms), stream_events_cap=cap,
-                                kv_quant_changes=win.kv_quant_changes, rank_forwards=win.rank_forwards)
+                                kv_quant_changes=win.kv_quant_changes, rank_forwards=win.rank_forwards,
+                                encoder=win.encoder,
+                                stalls=win.stalls)
 
 
 @st.cache_data(max_entries=_ENTRIES, show_spinner=False)
@@ -121,10 +135,11 @@ def chunk_view(db: str, run_id: int, version: Version, flt: ChunkFilter, limit: 
 
 
 @st.cache_data(max_entries=_ENTRIES, show_spinner=False)
-def request_view(db: str, run_id: int, version: Version, search, statuses: tuple[str, ...]):
+def request_view(db: str, run_id: int, version: Version, search, statuses: tuple[str, ...],
+                 sources: tuple[str, ...] = ()):
     """(status counts, matching requests, their lifecycle events, newest data time, errors)."""
     path = Path(db)
-    found = queries_requests.find_requests(path, run_id, search, statuses)
+    found = queries_requests.find_requests(path, run_id, search, statuses, sources=sources)
     ids = [int(x) for x in found["request_id"]] if len(found) else []
     if ids:   # grammar marks: their own query, so a store without grammar columns still lists requests
         found = found.merge(queries_grammar.marks(path, run_id, ids), on="request_id", how="left")

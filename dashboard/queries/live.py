@@ -17,9 +17,12 @@ import pandas as pd
 
 from dashboard.queries.db import percentile_sql, query_df, query_one
 from dashboard.queries.totals import run_totals_of
+from dashboard.words import ordinal, plural
 from telemetry.events import EVENT_KV_QUANT_STATE
+from dashboard.figures.encoder_lane import empty_encoder_events
 from dashboard.figures.rank_lanes import empty_rank_forwards
-from telemetry.events import EVENT_EP_FORWARD
+from telemetry.events import EVENT_ENCODER_HIT, EVENT_ENCODER_RUN, EVENT_EP_FORWARD
+from telemetry.stalls import MAX_STALL_EVENTS, STALL_KINDS, blocked_spells
 
 MAX_RAW_FORWARDS = 4_000       # past this many forwards in the window, bucket them in SQL (a screen is ~1,500 px wide)
 NUM_BUCKETS = 1_500
@@ -31,6 +34,7 @@ RECENT_REQUESTS = 2_000        # live TTFT / e2e percentiles: the newest request
 ITL_SAMPLE_TOKENS = 10_000     # whole-run ITL: sample whole requests down to about this many tokens
 WHOLE_RUN_REQUESTS = 2_000     # whole-run TTFT / e2e: sample request ids down to at most this many
 NS_PER_MS = 1_000_000
+STALL_COLUMNS = ["start_ms", "end_ms", "blocker", "is_open"]
 KV_QUANT_EVENT = EVENT_KV_QUANT_STATE
 
 
@@ -49,6 +53,10 @@ class TimelineWindow:
     kv_quant_changes: pd.DataFrame | None = None  # InnerQ calibration state changes in the window
     # Expert parallelism: each rank's share of each forward (empty otherwise), dashboard/figures/rank_lanes.py.
     rank_forwards: pd.DataFrame = field(default_factory=empty_rank_forwards)
+    # Vision checkpoints: tower runs and encoder-cache hits (empty otherwise), dashboard/figures/encoder_lane.py.
+    encoder: pd.DataFrame = field(default_factory=empty_encoder_events)
+    # Spells the engine was blocked (start_ms, end_ms, blocker, is_open), dashboard/figures/stall_band.py.
+    stalls: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=STALL_COLUMNS))
 
 
 def latest_tick(db: Path, run_id: int) -> dict | None:
@@ -104,12 +112,45 @@ def _links(stream_events: pd.DataFrame) -> pd.DataFrame:
                          "wait_t_ms": pairs["t_ms_wait"], "wait_stream": pairs["wait_stream"]})
 
 
-def timeline_window(db: Path, run_id: int, window_s: float) -> TimelineWindow | None:
-    """The last ``window_s`` seconds of the run, ready for ``timeline_figure``."""
+def _stall_rows(db: Path, run_id: int) -> list[tuple]:
+    frame = query_df(db, "SELECT t_ns, kind, detail FROM (SELECT id, t_ns, kind, detail FROM events "
+                         "WHERE run_id = ? AND kind IN (?, ?) ORDER BY id DESC LIMIT ?) ORDER BY id",
+                     [run_id, *STALL_KINDS, MAX_STALL_EVENTS])
+    return list(frame.itertuples(index=False, name=None))
+
+
+def window_end_ns(db: Path, run_id: int, last_tick: dict, stall_rows: list[tuple], open_end_ms: float | None) -> int:
+    """The newest moment the run has drawn: its last forward's end, or later a lever change or a
+    stall event (ticks stop while the engine is blocked), or ``open_end_ms`` (now, from the
+    heartbeat) while a stall is open."""
+    ends = [int(last_tick["t_ns"] + last_tick["duration_ns"])]
+    lever = query_one(db, "SELECT MAX(t_ns) AS t FROM lever_changes WHERE run_id = ?", [run_id]) or {}
+    if lever.get("t") is not None:
+        ends.append(int(lever["t"]))
+    if stall_rows:
+        ends.append(int(stall_rows[-1][0]))
+        if open_end_ms is not None and stall_rows[-1][1] == STALL_KINDS[0]:
+            ends.append(int(open_end_ms * NS_PER_MS))
+    return max(ends)
+
+
+def stall_frame(stall_rows: list[tuple], start_ns: int, end_ns: int) -> pd.DataFrame:
+    """Blocked spells overlapping [start_ns, end_ns], in ms; one still open ends at ``end_ns``."""
+    spells = [s for s in blocked_spells(stall_rows, open_end_ns=end_ns) if s.end_ns >= start_ns]
+    return pd.DataFrame({"start_ms": [s.start_ns / NS_PER_MS for s in spells],
+                         "end_ms": [s.end_ns / NS_PER_MS for s in spells],
+                         "blocker": [s.blocker for s in spells], "is_open": [s.is_open for s in spells]},
+                        columns=STALL_COLUMNS)
+
+
+def timeline_window(db: Path, run_id: int, window_s: float, open_end_ms: float | None = None) -> TimelineWindow | None:
+    """The last ``window_s`` seconds of the run, ready for ``timeline_figure``. The window ends at
+    ``window_end_ns``: a blocked engine's stall and its lever changes stay in view after the last forward."""
     last = latest_tick(db, run_id)
     if last is None:
         return None
-    end_ns = int(last["t_ns"] + last["duration_ns"])
+    stall_rows = _stall_rows(db, run_id)
+    end_ns = window_end_ns(db, run_id, last, stall_rows, open_end_ms)
     start_ns = max(0, end_ns - int(window_s * 1e9))
     head = query_one(db, "SELECT COUNT(*) AS n, MIN(tick) AS first_tick FROM ticks "
                          "WHERE run_id = ? AND t_ns >= ? AND path != 'idle'", [run_id, start_ns]) or {}
@@ -136,7 +177,9 @@ def timeline_window(db: Path, run_id: int, window_s: float) -> TimelineWindow | 
                           start_ns / NS_PER_MS, end_ns / NS_PER_MS, num_forwards, is_bucketed,
                           stream_events_capped=len(streams) >= MAX_STREAM_EVENTS,
                           kv_quant_changes=kv_quant_changes(kv_quant),
-                          rank_forwards=_rank_forwards(db, run_id, first_tick))
+                          rank_forwards=_rank_forwards(db, run_id, first_tick),
+                          encoder=_encoder_events(db, run_id, first_tick),
+                          stalls=stall_frame(stall_rows, start_ns, end_ns))
 
 
 def kv_quant_changes(rows: pd.DataFrame) -> pd.DataFrame:
@@ -172,6 +215,19 @@ def _rank_forwards(db: Path, run_id: int, first_tick: int) -> pd.DataFrame:
     return frame if not frame.empty else empty_rank_forwards()
 
 
+def _encoder_events(db: Path, run_id: int, first_tick: int) -> pd.DataFrame:
+    """The newest encoder runs and hits of the window at their tick's start, oldest first."""
+    frame = query_df(db, """
+        SELECT * FROM (
+            SELECT e.tick, t.t_ns / 1e6 AS start_ms, e.kind, e.request_id,
+                   json_extract(e.detail, '$.tokens') AS tokens,
+                   json_extract(e.detail, '$.duration_ns') / 1e6 AS encoder_ms
+            FROM events e JOIN ticks t ON t.run_id = e.run_id AND t.tick = e.tick
+            WHERE e.run_id = ? AND e.kind IN (?, ?) AND e.tick >= ? ORDER BY e.tick DESC, e.id DESC LIMIT ?)
+        ORDER BY start_ms""", [run_id, EVENT_ENCODER_RUN, EVENT_ENCODER_HIT, first_tick, MAX_RANK_FORWARDS])
+    return frame if not frame.empty else empty_encoder_events()
+
+
 def _newest(db: Path, sql: str, run_id: int) -> int:
     row = query_one(db, sql, [run_id])
     return 0 if row is None or row["v"] is None else int(row["v"])
@@ -204,16 +260,17 @@ def latency_percentiles(db: Path, run_id: int, is_recent: bool = True) -> pd.Dat
         itl_filter, itl_params = "AND id > ?", [min_token]
         # Say the scope that applies: a young run has fewer requests than the cap.
         num_requests = min(RECENT_REQUESTS, max_request + 1)
-        scope = (f"newest {RECENT_REQUESTS:,} requests / {ITL_RECENT_TOKENS:,} tokens"
-                 if num_requests == RECENT_REQUESTS else f"all {num_requests:,} requests so far")
+        # a noun phrase that reads after "latency over" (never "over the all 605 requests")
+        scope = (f"the newest {RECENT_REQUESTS:,} requests / {ITL_RECENT_TOKENS:,} tokens"
+                 if num_requests == RECENT_REQUESTS else f"all {plural(num_requests, 'request')} so far")
     else:
         step = max(1, -(-(max_request + 1) // WHOLE_RUN_REQUESTS))
         request_filter, request_params = f"AND request_id IN ({SAMPLED_IDS})", [step, step, max_request]
         itl_step = max(1, -(-int(run_totals_of(db, run_id)["num_tokens"] or 0) // ITL_SAMPLE_TOKENS))
         itl_filter, itl_params = f"AND request_id IN ({SAMPLED_IDS})", [itl_step, itl_step, max_request]
-        parts = ([f"TTFT / e2e over every {step}th request"] if step > 1 else []) + \
-            ([f"ITL over every {itl_step}th request"] if itl_step > 1 else [])
-        scope = "whole run" + (f" ({', '.join(parts)})" if parts else "")
+        parts = ([f"TTFT / e2e over every {ordinal(step)} request"] if step > 1 else []) + \
+            ([f"ITL over every {ordinal(itl_step)} request"] if itl_step > 1 else [])
+        scope = "the whole run" + (f" ({', '.join(parts)})" if parts else "")
     ttft = query_one(db, percentile_sql("SELECT (first_token_ns - arrival_ns) / 1e6 AS v FROM requests "
                                         f"WHERE run_id = ? {request_filter} AND first_token_ns IS NOT NULL"),
                      [run_id, *request_params])

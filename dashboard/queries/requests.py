@@ -1,12 +1,14 @@
-"""Queries behind the Requests page: status counts, a searchable request list, lifecycle events, errors."""
+"""Queries behind the Requests page: status counts, a searchable request list, lifecycle events, errors.
+
+What the search box accepts is ``dashboard/queries/ids.py``'s grammar (also the Chunks page's)."""
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pandas as pd
 
 from dashboard.queries.db import placeholders, query_df
+from dashboard.queries.ids import BadSearch, IdSelection, parse_ids  # noqa: F401  (BadSearch: the page catches it)
 
 REQUEST_COLUMNS = ("request_id", "status", "arrival_ns", "admitted_ns", "first_token_ns", "finished_ns",
                    "prompt_len", "output_len", "prefix_hit_tokens", "prefix_miss_reason", "finish_reason", "error",
@@ -14,38 +16,12 @@ REQUEST_COLUMNS = ("request_id", "status", "arrival_ns", "admitted_ns", "first_t
 MAX_LISTED = 50
 
 
-class BadSearch(ValueError):
-    """The search box text is not an id, a range or a list of ids."""
+SOURCES = ("api", "workload", "replay")   # where a request came from (requests.source; NULL = workload)
 
 
-MAX_REQUEST_ID = 2**63 - 1        # SQLite's INTEGER: a larger id cannot exist and cannot be bound
-
-
-def parse_request_id(text: str, what: str = "request id") -> int:
-    """One id typed by a user: ASCII digits within SQLite's range, else BadSearch saying so."""
-    if not re.fullmatch(r"[0-9]+", text):
-        raise BadSearch(f"{what} {text!r} is not a number (type digits 0-9)")
-    value = int(text)
-    if value > MAX_REQUEST_ID:
-        raise BadSearch(f"{what} {text!r} is too large (request ids are at most {MAX_REQUEST_ID})")
-    return value
-
-
-def parse_search(text: str) -> tuple[int, int] | list[int] | None:
-    """``""`` -> None (newest), ``"12"`` / ``"3, 7"`` -> ids, ``"10-20"`` -> inclusive range."""
-    text = (text or "").strip()
-    if not text:
-        return None
-    match = re.fullmatch(r"([0-9]+)\s*-\s*([0-9]+)", text)
-    if match:
-        lo, hi = parse_request_id(match[1], "range start"), parse_request_id(match[2], "range end")
-        if lo > hi:
-            raise BadSearch(f"request range {text!r}: start {lo} is after end {hi}")
-        return lo, hi
-    parts = [p for p in re.split(r"[,\s]+", text) if p]
-    if not all(re.fullmatch(r"[0-9]+", p) for p in parts):
-        raise BadSearch(f"request search {text!r}: type an id (12), ids (3, 7) or a range (10-20)")
-    return [parse_request_id(p) for p in parts]
+def parse_search(text: str) -> IdSelection | None:
+    """The Requests search box: ``dashboard/queries/ids.py``'s grammar (ids, ranges, API ids)."""
+    return parse_ids(text)
 
 
 def status_counts(db: Path, run_id: int) -> dict[str, int]:
@@ -53,19 +29,24 @@ def status_counts(db: Path, run_id: int) -> dict[str, int]:
     return {str(s): int(n) for s, n in zip(frame["status"], frame["n"])} if len(frame) else {}
 
 
-def find_requests(db: Path, run_id: int, search: tuple[int, int] | list[int] | None,
-                  statuses: tuple[str, ...] = (), limit: int = MAX_LISTED) -> pd.DataFrame:
+def find_requests(db: Path, run_id: int, search: IdSelection | None,
+                  statuses: tuple[str, ...] = (), limit: int = MAX_LISTED,
+                  sources: tuple[str, ...] = ()) -> pd.DataFrame:
     clauses, params = ["run_id = ?"], [run_id]
-    if isinstance(search, tuple):
-        clauses.append("request_id BETWEEN ? AND ?")
-        params += list(search)
-    elif isinstance(search, list):
-        clauses.append(f"request_id IN ({placeholders(search)})")
-        params += search
+    if search is not None:
+        where, values = search.where("request_id")
+        clauses.append(where)
+        params += values
+    if sources:
+        clauses.append(f"coalesce(source, 'workload') IN ({placeholders(sources)})")
+        params += list(sources)
     if statuses:
         clauses.append(f"status IN ({placeholders(statuses)})")
         params += list(statuses)
-    cols = ", ".join(REQUEST_COLUMNS)
+    # A store written before images (an old bundle) has no num_images column: its requests had none.
+    present = set(query_df(db, "SELECT name FROM pragma_table_info(?)", ["requests"])["name"])
+    images = "num_images" if "num_images" in present else "0 AS num_images"
+    cols = ", ".join(REQUEST_COLUMNS + (images,))
     return query_df(db, f"SELECT {cols} FROM requests WHERE {' AND '.join(clauses)} "
                         f"ORDER BY request_id DESC LIMIT ?", params + [int(limit)])
 

@@ -5,7 +5,8 @@ The frontend process sends submissions, cancellations and /metrics queries over 
 each tick, sends every API request's new tokens and its end in one message (``publish``). A
 first token goes out the moment it is sampled (``first_token``), ahead of the rest of the tick.
 No frontend code touches the scheduler or a cache; the counts the API needs (queue length for
-429) travel with each message.
+429) travel with each message. Each drained submission's request id goes back at once, so the
+client can find its request on the dashboard (``engine/api/choices.py``).
 
 When the frontend goes away (killed, crashed), ``drain`` cancels every API request it held
 (status cancelled, pools freed) and sets ``peer_lost``; the supervisor starts a new one.
@@ -67,6 +68,7 @@ class EngineBridge:
         channel = self.channel
         if channel is None or self.peer_lost:
             return
+        new_ids: dict[int, int] = {}     # handle -> request id, told to the frontend at once
         for message in channel.receive():
             if not isinstance(message, list):
                 self._notices.append(message)
@@ -76,13 +78,22 @@ class EngineBridge:
                     self._num_drained += 1
                     request_id = new_request_id()
                     self._request_id_of[op.handle] = request_id
+                    if op.images and sched.images is not None:
+                        for data in op.images:
+                            sched.images.store.put(data)
                     request = sched.submit(request_id, op.prompt_tokens, op.sampling, features=op.features,
                                            grammar=op.grammar)
                     self._tracked[request_id] = _Tracked(request, op.handle)
+                    new_ids[op.handle] = request_id
                 elif isinstance(op, Cancel):
                     self._cancel(sched, self._request_id_of.get(op.handle), CANCEL_REASON)
                 elif isinstance(op, MetricsQuery):
                     self._queries.append(op.query_id)
+        if new_ids and not channel.is_closed:
+            # Before any token: a streamed response's headers wait for its request ids.
+            counts = (len(sched.waiting), self._num_drained)
+            channel.send(Batch(num_waiting=counts[0], num_drained=counts[1], request_ids=new_ids))
+            self._sent_counts = counts
         if channel.is_closed or channel.is_stuck:
             self._lose_peer(sched)
 

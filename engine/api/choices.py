@@ -7,6 +7,10 @@ snapshot the others need) and prefills only the prompt's last partial block. Wit
 choice i samples with seed + i (vLLM's rule), so each choice replays on its own; without
 one the engine gives each its own.
 
+The response id is ``chatcmpl-<hex>-<request id>`` (``cmpl-`` for completions): its suffix is the
+engine's request id of the first choice, and the ``x-chunkscope-request-ids`` header lists every
+choice's, so the Chunks and Requests pages find the request by either.
+
 ``Choices`` joins the replies: stream chunks carry their choice's index, the whole response
 lists the choices in index order, and the usage counts each prompt once and every choice's
 output. The first choice that ends without finishing ends the whole request (the rest are
@@ -28,12 +32,19 @@ class Choices:
 
     def __init__(self, info: EngineInfo, requests: list[EngineRequest], *, chat: bool) -> None:
         prefix, obj = ("chatcmpl", "chat.completion") if chat else ("cmpl", "text_completion")
-        self.base = {"id": f"{prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": info.model_name}
+        self._id = f"{prefix}-{uuid.uuid4().hex}"
+        self.base = {"id": self._id, "created": int(time.time()), "model": info.model_name}
         self.object = obj
         reply = ChatReply if chat else CompletionReply
         self.replies = [reply(info, r, self.base) for r in requests]
         self.num_open = len(requests)
         self.failed: Ended | None = None         # the first choice that ended without finishing
+
+    def name_request(self, first_request_id: int | None) -> None:
+        """The response id ends in the engine's request id of the first choice (the others follow
+        it: siblings get consecutive ids), so the id a client logs finds the request on the dashboard."""
+        if first_request_id is not None:
+            self.base["id"] = f"{self._id}-{first_request_id}"
 
     @property
     def approximations(self) -> tuple[str, ...]:

@@ -47,7 +47,7 @@ def engine_info(config: FrontendConfig) -> EngineInfo:
                       chat_template=ChatTemplate.for_checkpoint(directory),
                       has_tool_call_token=config.tool_call_start_id is not None, eos_ids=config.eos_ids,
                       grammars=grammars, tool_call_start_id=config.tool_call_start_id,
-                      tool_call_end_id=config.tool_call_end_id)
+                      tool_call_end_id=config.tool_call_end_id, images=config.images)
 
 
 def read_config(sock: socket.socket) -> FrontendConfig:

@@ -27,6 +27,23 @@ class EngineGone(Exception):
     """The engine process has exited: nothing can be served."""
 
 
+class RequestIds:
+    """The engine's request ids of one HTTP request's choices, filled in as the engine drains them."""
+
+    def __init__(self, num: int) -> None:
+        self.ids: list[int | None] = [None] * num
+        self.known = asyncio.Event()        # set when every choice has its id (or the engine is gone)
+
+    def set(self, index: int, request_id: int) -> None:
+        self.ids[index] = request_id
+        if all(i is not None for i in self.ids):
+            self.known.set()
+
+    def header(self) -> str:
+        """``"17"`` / ``"17, 18"``: the value of the x-chunkscope-request-ids header."""
+        return ", ".join(str(i) for i in self.ids if i is not None)
+
+
 class FrontendBridge:
     def __init__(self, *, max_waiting: int) -> None:
         self.max_waiting = max_waiting
@@ -34,6 +51,7 @@ class FrontendBridge:
         self._num_submitted = 0
         self._num_drained = 0           # submissions the engine has taken (the rest are on their way)
         self._outboxes: dict[int, tuple[asyncio.Queue, int]] = {}   # handle -> (its HTTP request's queue, choice)
+        self._ids: dict[int, tuple[RequestIds, int]] = {}         # handle -> (its HTTP request's ids, choice)
         self._next_handle = 0
         self._pending: list[Any] = []
         self._write = None
@@ -46,10 +64,11 @@ class FrontendBridge:
         self._write = write
 
     # ---- handlers ---------------------------------------------------------------------
-    def submit(self, requests: list[tuple[list[int], dict, RequestFeatures, dict | None]]
-               ) -> tuple[list[int], asyncio.Queue]:
-        """Send one HTTP request's engine requests (prompt tokens, sampling, features, grammar), all
-        or none; returns their handles and the one queue their progress arrives in."""
+    def submit(self, requests: list[tuple[list[int], dict, RequestFeatures, dict | None, tuple[bytes, ...]]]
+               ) -> tuple[list[int], asyncio.Queue, RequestIds]:
+        """Send one HTTP request's engine requests (prompt tokens, sampling, features, grammar, images), all
+        or none; returns their handles, the one queue their progress arrives in, and their request
+        ids (filled in when the engine takes them)."""
         if self.is_engine_gone:
             raise EngineGone(ENGINE_GONE)
         in_flight = self._num_submitted - self._num_drained
@@ -57,17 +76,20 @@ class FrontendBridge:
             raise QueueFull(f"{self.num_waiting + in_flight} requests are waiting (--max-waiting {self.max_waiting})"
                             + (f"; this one brings {len(requests)}" if len(requests) > 1 else ""))
         outbox: asyncio.Queue = asyncio.Queue()
+        ids = RequestIds(len(requests))
         handles = []
-        for index, (prompt_tokens, sampling, features, grammar) in enumerate(requests):
+        for index, (prompt_tokens, sampling, features, grammar, images) in enumerate(requests):
             handle, self._next_handle = self._next_handle, self._next_handle + 1
             self._outboxes[handle] = (outbox, index)
+            self._ids[handle] = (ids, index)
             self._num_submitted += 1
-            self._send(Submit(handle, prompt_tokens, sampling, features, grammar))
+            self._send(Submit(handle, prompt_tokens, sampling, features, grammar, images))
             handles.append(handle)
-        return handles, outbox
+        return handles, outbox, ids
 
     def cancel(self, handles: list[int]) -> None:
         for handle in handles:
+            self._ids.pop(handle, None)
             if self._outboxes.pop(handle, None) is not None and not self.is_engine_gone:
                 self._send(Cancel(handle))
 
@@ -97,11 +119,16 @@ class FrontendBridge:
     def on_batch(self, batch: Batch) -> None:
         self.num_waiting, self._num_drained = batch.num_waiting, batch.num_drained
         outboxes, prompt_logprobs = self._outboxes, batch.prompt_logprobs
+        for handle, request_id in batch.request_ids.items():
+            target = self._ids.pop(handle, None)
+            if target is not None:
+                target[0].set(target[1], request_id)
         for handle, token_ids, logprobs in batch.tokens:
             target = outboxes.get(handle)
             if target is not None:
                 target[0].put_nowait((target[1], Tokens(token_ids, logprobs, prompt_logprobs.get(handle))))
         for handle, *fields in batch.ended:
+            self._ids.pop(handle, None)
             target = outboxes.pop(handle, None)
             if target is not None:
                 target[0].put_nowait((target[1], Ended(*fields)))
@@ -116,6 +143,9 @@ class FrontendBridge:
         for outbox, index in self._outboxes.values():
             outbox.put_nowait((index, Ended(ev.REQ_CANCELLED, "cancelled", ENGINE_GONE, 0, 0, None)))
         self._outboxes.clear()
+        for ids, _index in self._ids.values():
+            ids.known.set()             # no id will come: nobody waits for one
+        self._ids.clear()
         for answer in self._queries.values():
             if not answer.done():
                 answer.set_exception(EngineGone(ENGINE_GONE))

@@ -101,7 +101,8 @@ def frontend_config(args: argparse.Namespace, setup) -> FrontendConfig:
                           eos_ids=frozenset(setup.scheduler.eos_ids), tool_call_start_id=model.tool_call_start_id,
                           tool_call_end_id=model.tool_call_end_id, think_end_id=getattr(model, "think_end_id", None),
                           eos_token_id=getattr(model, "eos_token_id", None), host=args.api_host, port=args.api_port,
-                          api_key=args.api_key, max_waiting=args.max_waiting)
+                          api_key=args.api_key, max_waiting=args.max_waiting,
+                          images=setup.scheduler.images.policy(setup.tokenizer) if setup.scheduler.images else None)
 
 
 def start_api(args: argparse.Namespace, setup, dropped) -> API | None:

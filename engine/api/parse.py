@@ -17,6 +17,8 @@ from pydantic import ValidationError
 from engine.api.chat_template import ChatTemplate, ChatTemplateError
 from engine.api import structured, unsupported
 from engine.api.errors import APIError, bad_request
+from engine.api.images import image_reader
+from engine.multimodal.limits import content_hash
 from engine.api.protocol import (MAX_PROMPTS, ChatCompletionRequest, CompletionRequest, SamplingFields,
                                  stop_list)
 from engine.scheduler.request_features import SOURCE_API, RequestFeatures
@@ -40,6 +42,7 @@ class EngineInfo:
     grammars: Any = None           # engine.grammar.compiler.GrammarCompiler (None: no grammar support)
     tool_call_start_id: int | None = None
     tool_call_end_id: int | None = None
+    images: Any = None             # engine.multimodal.limits.ImagePolicy (None: the model takes no images)
     # id -> (its name, its exact bytes) for logprobs: filled as ids come, HTTP thread only
     _token_names: dict[int, tuple[str, list[int]]] = field(default_factory=dict, compare=False, repr=False)
 
@@ -78,6 +81,7 @@ class EngineRequest:
     echo: str | None = None        # completions with echo: the prompt text the reply starts with
     hide_output: bool = False      # echo with max_tokens 0: the prompt alone (the engine's one token is dropped)
     approximations: tuple[str, ...] = ()   # schema keywords a lenient grammar ignored (structured.py)
+    images: tuple[bytes, ...] = ()  # the images ``features.images`` names, in prompt order (engine/api/images.py)
 
 
 def validate(model_cls: type, raw: bytes):
@@ -165,13 +169,18 @@ def chat_requests(info: EngineInfo, body: ChatCompletionRequest) -> list[EngineR
         raise bad_request("tool_choice: the model has no tool-call start token to force", "tool_choice")
     if choice == "none":
         tools = []
-    messages = [m.model_dump(exclude_none=True) | {"content": m.text()} for m in body.messages]
+    images: list[tuple[bytes, int]] = []
+    image_text = image_reader(info.images, images)
+    messages = [m.model_dump(exclude_none=True) | {"content": m.text(image_text)} for m in body.messages]
     try:
         text = info.chat_template.render(messages, tools, enable_thinking=thinking, extra=kwargs)
     except ChatTemplateError as exc:
         raise bad_request(f"messages: {exc}", "messages") from None
     tokens = info.tokenizer.encode(text)
+    if info.images is not None and tokens.count(info.images.pad_id) != sum(n for _, n in images):
+        raise bad_request("messages: the text holds image placeholder tokens of its own", "messages")
     features = RequestFeatures(source=SOURCE_API, enable_thinking=thinking, require_tool_call=require_tool,
+                               images=tuple(content_hash(data) for data, _ in images),
                                stop_strings=tuple(stop_list(body.stop)),
                                logprobs=(body.top_logprobs or 0) if body.logprobs else None)
     if body.top_logprobs is not None and not body.logprobs:
@@ -184,6 +193,7 @@ def chat_requests(info: EngineInfo, body: ChatCompletionRequest) -> list[EngineR
                                                      enable_thinking=thinking)
     one = _engine_request(info, body, tokens, max_tokens, features, (im_end,) if im_end is not None else (),
                           tools_allowed=bool(tools), grammar=grammar)
+    one = dataclasses.replace(one, images=tuple(data for data, _ in images))
     return fan_out(one, body.n, first_index=0, approximations=approximations)
 
 

@@ -103,17 +103,28 @@ class TextPart(Body):
     text: str
 
 
+class ImageURL(Body):
+    url: str                          # a base64 data URL (remote URLs are refused: no network)
+    detail: str | None = None         # accepted and ignored: the checkpoint's pixel range decides
+
+
+class ImagePart(Body):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class Message(Body):
     role: str = Field(min_length=1)   # any role reaches the template (vLLM's rule); the template decides
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
 
-    def text(self) -> str:
+    def text(self, image_text=None) -> str:
+        """The content as text; each image part becomes ``image_text(part)`` (engine/api/images.py)."""
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "".join(part.text if isinstance(part, TextPart) else image_text(part) for part in self.content)
         return self.content or ""
 
 

@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 from engine.api.choices import Choices
 from engine.api.errors import TYPE_AUTH, TYPE_NOT_FOUND, TYPE_RATE, TYPE_SERVER, APIError
-from engine.api.frontend_bridge import EngineGone, FrontendBridge, QueueFull
+from engine.api.frontend_bridge import EngineGone, FrontendBridge, QueueFull, RequestIds
 from engine.api.metrics import CONTENT_TYPE
 from engine.api.parse import MAX_BODY_BYTES, EngineInfo, EngineRequest, chat_requests, completion_requests, validate
 from engine.api.protocol import ChatCompletionRequest, CompletionRequest
@@ -34,6 +34,7 @@ RETRY_AFTER_S = 1
 CLIENT_CLOSED = 499      # nginx's "client closed request": nobody reads it, the log does
 GONE = object()          # put in a stream's outbox when its client disconnects
 APPROXIMATIONS_HEADER = "x-chunkscope-grammar-approximations"   # schema keywords a lenient grammar ignored
+REQUEST_IDS_HEADER = "x-chunkscope-request-ids"   # the engine's request id of each choice ("17, 18")
 # json.dumps(chunk, ensure_ascii=False) builds an encoder per call; one encoder for every chunk
 _encode = json.JSONEncoder(ensure_ascii=False, check_circular=False).encode
 _END_STATUS = {ev.REQ_ERROR: (500, TYPE_SERVER), ev.REQ_PREEMPTED: (503, TYPE_SERVER),
@@ -89,8 +90,8 @@ def build_app(info: EngineInfo, bridge: FrontendBridge, api_key: str | None = No
             raise APIError(400, f"n: {len(engine_requests)} choices in one request, more than the server queues "
                                 f"(--max-waiting {bridge.max_waiting})", param="n", code="too_many_choices")
         try:
-            handles, outbox = bridge.submit([(r.prompt_tokens, r.sampling, r.features, r.grammar)
-                                             for r in engine_requests])
+            handles, outbox, ids = bridge.submit([(r.prompt_tokens, r.sampling, r.features, r.grammar, r.images)
+                                                  for r in engine_requests])
         except QueueFull as exc:
             raise APIError(429, str(exc), type=TYPE_RATE, code="too_many_waiting",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
@@ -99,12 +100,19 @@ def build_app(info: EngineInfo, bridge: FrontendBridge, api_key: str | None = No
         headers = {APPROXIMATIONS_HEADER: ", ".join(choices.approximations)} if choices.approximations else {}
         first = engine_requests[0]
         if first.stream:
+            # Headers go first: wait for the engine to take the requests (its next tick boundary,
+            # before any token) so they can carry the request ids.
+            if not await _ids_known(request, ids):
+                bridge.cancel(handles)
+                return Response(status_code=CLIENT_CLOSED)
+            choices.name_request(ids.ids[0])
+            headers[REQUEST_IDS_HEADER] = ids.header()
             return EventStream(_events(handles, outbox, choices, first.include_usage),
                                on_gone=lambda: outbox.put_nowait(GONE), headers=headers)
-        return await _whole(request, handles, outbox, choices, headers)
+        return await _whole(request, handles, outbox, choices, headers, ids)
 
     async def _whole(request: Request, handles: list[int], outbox: asyncio.Queue, choices: Choices,
-                     headers: dict) -> Response:
+                     headers: dict, ids: RequestIds) -> Response:
         disconnect = asyncio.ensure_future(_client_gone(request))
         try:
             while not choices.is_over:
@@ -115,9 +123,14 @@ def build_app(info: EngineInfo, bridge: FrontendBridge, api_key: str | None = No
                     bridge.cancel(handles)
                     return Response(status_code=CLIENT_CLOSED)
                 choices.keep(*get.result())
+            if ids.header():         # every id is known by now: the engine sent them before any end
+                choices.name_request(ids.ids[0])
+                headers = {**headers, REQUEST_IDS_HEADER: ids.header()}
             if choices.failed is not None:
                 bridge.cancel(handles)   # the choices still running are of no use now
-                return _ended_error(choices.failed).response()
+                response = _ended_error(choices.failed).response()
+                response.headers.update(headers)
+                return response
             return JSONResponse(choices.response(), headers=headers)
         finally:
             disconnect.cancel()
@@ -159,6 +172,19 @@ def build_app(info: EngineInfo, bridge: FrontendBridge, api_key: str | None = No
               Route("/v1/chat/completions", chat, methods=["POST"])]
     return Starlette(routes=routes, exception_handlers={APIError: on_api_error, HTTPException: on_http_error,
                                                         Exception: on_error})
+
+
+async def _ids_known(request: Request, ids: RequestIds) -> bool:
+    """Wait until the engine has named the requests (or went away); False if the client left first."""
+    if ids.known.is_set():
+        return True
+    known, gone = asyncio.ensure_future(ids.known.wait()), asyncio.ensure_future(_client_gone(request))
+    try:
+        done, _ = await asyncio.wait({known, gone}, return_when=asyncio.FIRST_COMPLETED)
+        return known in done
+    finally:
+        known.cancel()
+        gone.cancel()
 
 
 async def _client_gone(request: Request) -> None:

@@ -4,7 +4,8 @@ One Unix socket pair joins them. Each message is a length-prefixed pickle (both 
 code, started by the engine; nothing from a client is unpickled). The frontend sends a list of
 ``Submit`` / ``Cancel`` / ``MetricsQuery`` per event-loop turn; the engine sends one ``Batch``
 per tick boundary (and one as each first token is sampled): every stream's new tokens and ends,
-the queue snapshot for 429, and the answers to /metrics queries. Pure Python: no torch here.
+the queue snapshot for 429, and the answers to /metrics queries; right after a drain, the
+request id each new submission got (the API returns it: header and the response id's suffix). Pure Python: no torch here.
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ class FrontendConfig:
     port: int
     api_key: str | None
     max_waiting: int
+    images: Any = None           # engine.multimodal.limits.ImagePolicy for a checkpoint with a vision tower
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,7 @@ class Submit:
     sampling: dict
     features: RequestFeatures
     grammar: dict | None = None
+    images: tuple[bytes, ...] = ()   # the bytes ``features.images`` names (the engine's image store keeps them)
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,7 @@ class Batch:
     num_drained: int = 0          # submissions the engine has taken so far (the rest are in flight)
     metrics: dict[int, list[Any]] = field(default_factory=dict)             # query id -> metric families
     prompt_logprobs: dict[int, list] = field(default_factory=dict)         # handle -> its prompt's, with its first tokens
+    request_ids: dict[int, int] = field(default_factory=dict)            # handle -> the engine's request id, once drained
 
 
 def frame(message: Any) -> bytes:

@@ -22,6 +22,7 @@ from engine.cache.latent_store import LatentKVStore, build_latent_cache
 from engine.cache.prefix_pool import PrefixPool
 from engine.cache.sequence import SequenceState
 from engine.cache.ssm_pool import SSMPool
+from engine.multimodal.encoder_cache import EncoderCache
 
 Growth = list[tuple[SequenceState, int]]   # (sequence, its block count before an allocation)
 
@@ -34,6 +35,7 @@ class CachePools:
     fp_block_bytes: int               # bytes of one full-precision (or latent) block: the byte budget's unit
     innerq: InnerQCache | None = None
     prefix: PrefixPool | None = None
+    encoder: EncoderCache | None = None   # vision-tower outputs by image hash (a model with a vision tower)
 
     @classmethod
     def build(cls, model, num_kv_blocks: int, num_ssm_slots: int, *, block_size: int = 16,
@@ -77,20 +79,29 @@ class CachePools:
 
     # ---- sequence lifetime ------------------------------------------------------------
     def admit(self, seq: SequenceState) -> None:
-        """Give ``seq`` an SSM slot with zero state (raises SSMPoolExhausted when none is free)."""
+        """Give ``seq`` an SSM slot with zero state (raises SSMPoolExhausted when none is free); its
+        images stay in the encoder cache while it holds the slot."""
         if seq.ssm_slot is None:
             seq.ssm_slot = self.ssm.allocate()
+            self._hold_images(seq, self.encoder.acquire if self.encoder is not None else None)
         else:
             self.ssm.zero(seq.ssm_slot)
         seq.mtp_hidden = None
 
     def release(self, seq: SequenceState) -> None:
-        """Free the sequence's KV blocks and SSM slot."""
+        """Free the sequence's KV blocks and SSM slot (and its hold on its images' encoder rows)."""
         self.blocks.free(seq)
         seq.mtp_hidden = None
         if seq.ssm_slot is not None:
             self.ssm.free(seq.ssm_slot)
             seq.ssm_slot = None
+            self._hold_images(seq, self.encoder.release if self.encoder is not None else None)
+
+    @staticmethod
+    def _hold_images(seq: SequenceState, change) -> None:
+        if change is not None and seq.images is not None:
+            for span in seq.images.spans:
+                change(span.image.content_hash)
 
     def normalize(self, seq: SequenceState, max_norm: float = 1e4) -> bool:
         """Bound the sequence's SSM state norms (after a prefill chunk); True when it acted."""

@@ -20,6 +20,9 @@ class SequenceState:
     # The main model's hidden state at the last cached position, waiting for the next token so
     # the MTP layer can run that row (engine/model/mtp_feed.py); None without MTP history.
     mtp_hidden: Any = None
+    # The prompt's images (engine/multimodal/prompt_images.PromptImages): M-RoPE positions and
+    # placeholder spans; None for a text-only prompt.
+    images: Any = None
 
     @property
     def num_blocks(self) -> int:

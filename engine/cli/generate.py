@@ -66,7 +66,8 @@ def check_request(model, prompt: list[int], params: SamplingParams) -> int:
 
 def generate(model, tokenizer, prompt: list[int], params: SamplingParams, stop_at_eos: bool = True,
              grammar: dict | None = None, kv_cache: dict | None = None,
-             runner: ModelRunner | None = None, compile: CompileSettings | None = None) -> dict:
+             runner: ModelRunner | None = None, compile: CompileSettings | None = None,
+             images=None) -> dict:
     """Greedy or sampled continuation of ``prompt``; returns {"tokens": [...], "text": str | None}, plus
     "kv_cache_dtype" and "kv_quant_state" with InnerQ. ``kv_cache``: ``kv_cache_options`` (default auto).
 
@@ -75,6 +76,7 @@ def generate(model, tokenizer, prompt: list[int], params: SamplingParams, stop_a
     ``runner``: one sized by ``runner_sizes`` (expert parallelism builds it before the ranks start).
     ``compile``: decode steps through the compiled step (compiled on first use; "compile" in the result
     gives the backend, seconds and graphs).
+    ``images``: the prompt's ``PromptImages`` (``engine/multimodal/``) when it holds images.
     """
     kv_cache = kv_cache or {"kv_cache_dtype": "auto"}
     check_request(model, prompt, params)
@@ -84,7 +86,7 @@ def generate(model, tokenizer, prompt: list[int], params: SamplingParams, stop_a
         runner = ModelRunner.build(model, num_kv_blocks=kv_blocks, num_ssm_slots=ssm_slots, device=weight.device,
                                    dtype=weight.dtype, kv_quant=kv_quant_config(kv_cache),
                                    kv_budget_bytes=budget_bytes(kv_cache), compile=compile)
-    seq = SequenceState(request_id=0)
+    seq = SequenceState(request_id=0, images=images)
     runner.pools.admit(seq)
     eos_ids = {model.eos_token_id} if model.eos_token_id is not None else set()
     generator = make_generator(params.seed)
@@ -189,17 +191,22 @@ def generate_speculative(model, tokenizer, prompt: list[int], params: SamplingPa
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("generate", help="generate a continuation for one prompt")
-    parser.add_argument("--model", default="tiny", help="an embedded model (tiny, tiny-moe, tiny-kimi) or a local HF checkpoint directory")
+    parser.add_argument("--model", default="tiny", help="an embedded model (tiny, tiny-moe, tiny-kimi, tiny-vl) or a local HF checkpoint directory")
     parser.add_argument("--prompt-ids", type=str, default=None, help="comma-separated token ids, e.g. 1,2,3")
     parser.add_argument("--prompt", type=str, default=None, help="prompt text (needs the model's tokenizer)")
-    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--image", action="append", default=[], metavar="PATH",
+                        help="an image the prompt starts with (repeatable; a model with a vision tower, e.g. tiny-vl)")
+    parser.add_argument("--max-tokens", type=int, default=16, help="tokens to generate (default 16)")
     parser.add_argument("--temperature", type=cli_args.finite_float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=cli_args.finite_float, default=1.0)
-    parser.add_argument("--min-p", type=cli_args.finite_float, default=0.0)
-    parser.add_argument("--seed", type=cli_args.seed, default=None)
+    parser.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens (0 = all)")
+    parser.add_argument("--top-p", type=cli_args.finite_float, default=1.0,
+                        help="sample from the smallest set of tokens holding this probability (1 = all)")
+    parser.add_argument("--min-p", type=cli_args.finite_float, default=0.0,
+                        help="drop tokens below this share of the likeliest one's probability (0 = none)")
+    parser.add_argument("--seed", type=cli_args.seed, default=None, help="sampling seed (default: unseeded)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="compute dtype (default float32)")
     parser.add_argument("--speculation", choices=SPECULATION_KINDS, default=None,
                         help='speculative decoding kind; adds "spec": {drafted, accepted, steps} to --json')
     k = LEVERS_BY_NAME["num_speculative_tokens"]
@@ -232,12 +239,13 @@ def run(args: argparse.Namespace) -> int:
         prompt = tokenizer.encode(args.prompt)
     else:
         prompt = parse_ids(args.prompt_ids)
+    prompt, images = _with_images(args, model, prompt)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             min_p=args.min_p, max_tokens=args.max_tokens, seed=args.seed)
     if args.ep > 1:
         if args.speculation is not None:
             raise ValueError("--speculation: not with --ep in generate (serve --ep runs speculation)")
-        result = _generate_ep(args, model, tokenizer, prompt, params)
+        result = _generate_ep(args, model, tokenizer, prompt, params, images)
         if isinstance(result, int):  # a rank > 0 under torchrun: it ran the forwards, rank 0 prints
             return result
     elif args.speculation is None:
@@ -245,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
         if settings is not None:
             use_persistent_cache(cache_root() / "inductor")
         result = generate(model, tokenizer, prompt, params, stop_at_eos=not args.ignore_eos,
-                          grammar=grammar_from_args(args), kv_cache=kv_cache, compile=settings)
+                          grammar=grammar_from_args(args), kv_cache=kv_cache, compile=settings, images=images)
     else:
         if grammar_from_args(args) is not None:
             raise ValueError("--speculation: give no --json-schema, --regex or --choice with it")
@@ -260,8 +268,28 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _with_images(args: argparse.Namespace, model, prompt: list[int]):
+    """``--image PATH``: (the images' placeholders, then the prompt; its ``PromptImages``), or (prompt, None)."""
+    if not args.image:
+        return prompt, None
+    from engine.model.embedded import checkpoint_dir_of
+    from engine.multimodal.limits import ImageError
+    from engine.multimodal.request_images import RequestImages
+
+    images = RequestImages.for_model(model, checkpoint_dir_of(args.model))
+    if images is None or args.speculation is not None:
+        raise ValueError(f"--image: {args.model} has no vision tower (try --model tiny-vl)" if images is None
+                         else "--image: not with --speculation in generate")
+    try:
+        return images.prepend(prompt, [Path(path).read_bytes() for path in args.image])
+    except OSError as exc:
+        raise ValueError(f"--image {exc.filename}: {exc.strerror or exc}") from None
+    except ImageError as exc:
+        raise ValueError(f"--image: {exc}") from None
+
+
 def _generate_ep(args: argparse.Namespace, model, tokenizer, prompt: list[int],
-                 params: SamplingParams) -> dict | int:
+                 params: SamplingParams, images=None) -> dict | int:
     """``--ep N``: every rank runs the forwards; rank 0 samples. A rank > 0 returns its exit status."""
     from engine.distributed.worker import run_rank
     from engine.serve.engine_setup import checkpoint_hash
@@ -282,7 +310,7 @@ def _generate_ep(args: argparse.Namespace, model, tokenizer, prompt: list[int],
     failed = True
     try:
         result = generate(model, tokenizer, prompt, params, stop_at_eos=not args.ignore_eos, runner=runner,
-                          grammar=grammar_from_args(args))
+                          grammar=grammar_from_args(args), images=images)
         failed = False
     finally:
         ep.close(failed)

@@ -7,8 +7,10 @@ import json
 import sys
 from typing import Any
 
+from tqdm import tqdm
+
 from engine.cli.kv_cache_args import add_kv_cache_args, kv_cache_options
-from engine.replay import divergence, flips as replay_flips, run_dtype
+from engine.replay import divergence, flips as replay_flips, run_dtype, stall_report
 from engine.replay.compare import compare, text_report
 from engine.model.reproducible import NUMERICS_CHOICES, REPRODUCIBLE
 from engine.replay.rerun import load_input, recorded_kv_cache, recorded_numerics, replay_run, resolve_model
@@ -18,12 +20,15 @@ from telemetry.levers import LEVERS_BY_NAME, LeversError
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("replay", help="re-run a recorded run and compare decisions and tokens")
-    p.add_argument("bundle", help="a bug-report bundle (.zip), or a telemetry.db / run directory")
+    p.add_argument("bundle", nargs="?", default=None,
+                   help="a bug-report bundle (.zip), or a telemetry.db / run directory (or --run-dir DIR)")
+    p.add_argument("--run-dir", metavar="DIR", default=None,
+                   help="replay the run recorded in this run directory (as given to serve --run-dir)")
     p.add_argument("--run", type=cli_args.run_id, default=None, help="run id inside a telemetry.db (default: latest)")
     p.add_argument("--json", action="store_true", help="print the comparison as one JSON object")
     p.add_argument("--flip", action="append", default=[], metavar="NAME=VALUE",
                    help="override a lever for the whole replay (repeatable), e.g. bisect_no_mix=true")
-    p.add_argument("--model", default=None, help="an embedded model (tiny, tiny-moe, tiny-kimi) or a checkpoint directory (default: the run's model when embedded)")
+    p.add_argument("--model", default=None, help="an embedded model (tiny, tiny-moe, tiny-kimi, tiny-vl) or a checkpoint directory (default: the run's model when embedded)")
     p.add_argument("--numerics", choices=NUMERICS_CHOICES, default=None,
                    help="default: the run's own mode (reproducible when serve ran with --numerics reproducible, "
                         "which replays identically on any CPU family); native turns it off")
@@ -59,6 +64,9 @@ def numerics_note(recorded: str, used: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if (args.bundle is None) == (args.run_dir is None):
+        raise ValueError("give what to replay once: a bundle .zip / telemetry.db / run directory, or --run-dir DIR")
+    args.bundle = args.bundle if args.bundle is not None else args.run_dir
     flips = parse_flips(args.flip)
     recorded, _manifest = load_input(args.bundle, args.run)
     flips, no_op_notes = replay_flips.split_no_op_flips(recorded, flips)
@@ -68,8 +76,12 @@ def run(args: argparse.Namespace) -> int:
     for warning in warnings:
         print(warning, file=sys.stderr)
     numerics = args.numerics or recorded_numerics(recorded.config)
-    replayed = replay_run(recorded, model=model, flips=flips, numerics=numerics,
-                          kv_cache=kv_cache_options(args, recorded_kv_cache(recorded.config)))
+    # A tick bar on stderr while it runs (none when stderr is not a terminal: the dashboard, scripts).
+    with tqdm(total=recorded.num_ticks or None, desc="replay", unit="tick", file=sys.stderr, disable=None,
+              leave=False) as bar:
+        replayed = replay_run(recorded, model=model, flips=flips, numerics=numerics,
+                              kv_cache=kv_cache_options(args, recorded_kv_cache(recorded.config)),
+                              progress=lambda tick: bar.update(max(0, tick + 1 - bar.n)))
     # after the replay ran: a dtype it refuses is the only line a refused replay prints
     print(numerics_note(recorded_numerics(recorded.config), numerics), file=sys.stderr)
     report = compare(recorded, replayed)
@@ -77,6 +89,10 @@ def run(args: argparse.Namespace) -> int:
     report["run_id"] = recorded.run_id
     report["numerics_mode"] = numerics
     report["lever_changes_replayed"] = replayed.lever_log
+    report["stall"] = stall_report.stall_section(
+        recorded.stalls, len(recorded.lever_changes), replayed.lever_log, replayed.blocked,
+        stall_report.ttft_ms(recorded.requests), replayed.ttft_ms)
+    report["stall"]["lines"] = stall_report.stall_lines(report["stall"])   # the Runs page shows these as they are
     report["notes"] = list(recorded.notes) + warnings + no_op_notes
     report["numerics"] = run_dtype.numerics(recorded.config, replayed.dtype, replayed.device)
     report["divergence_cause"] = divergence.explain(report, recorded, replayed.model, replayed.dtype, bool(flips))

@@ -19,7 +19,7 @@ MAX_SSM_SLOTS = 4096
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("serve", help="run the engine in the background, writing telemetry")
-    p.add_argument("--model", default="tiny", help="an embedded model (tiny: the default, tiny-moe, tiny-kimi; tiny-chat: trained, what ./run.sh serves) or a checkpoint directory")
+    p.add_argument("--model", default="tiny", help="an embedded model (tiny: the default, tiny-moe, tiny-kimi, tiny-vl; tiny-chat: trained, what ./run.sh serves) or a checkpoint directory")
     p.add_argument("--run-dir", required=True, help="directory for telemetry.db and levers.json")
     p.add_argument("--workload", default="synthetic",
                    help="synthetic | chat (chat-template requests: thinking, tools, JSON; needs a tokenizer) | multiturn | trace:PATH | bundle:PATH | none (API traffic only; default synthetic)")
@@ -27,6 +27,9 @@ def add_parser(subparsers) -> None:
                    help="arrival rate, requests/s (synthetic, chat, multiturn)")
     p.add_argument("--grammar-share", type=bounded_float(0.0, 1.0), default=0.0,
                    help="synthetic: share of requests constrained by a built-in JSON schema / regex / choice")
+    p.add_argument("--image-share", type=bounded_float(0.0, 1.0), default=None,
+                   help="share of workload requests with an image in front of the prompt (a model with a "
+                        "vision tower, e.g. tiny-vl; default 0.5 there, 0 otherwise)")
     p.add_argument("--requests", type=cli_args.positive_int, default=None,
                    help="stop after this many requests (default: endless)")
     p.add_argument("--duration", type=cli_args.positive_float, default=None, help="stop after this many seconds")

@@ -3,10 +3,11 @@
 The reference's EP broadcast: a control word (forward follows / idle keepalive / stop), then
 the forward's inputs: token ids, positions, K/V slots, the logits rows, the cache layout
 (prefill block ids and SSM slot, decode block tables, context lengths and SSM slots), the
-mid-chunk capture point, and the SSM slots rank 0 wrote outside a forward (admission zeroing,
-prefix-snapshot restores, normalization) with their states, so every rank's SSM pool holds the
-same state when the forward starts. Three broadcasts: a fixed header, one int64 payload, and
-the float32 states when any slot changed.
+mid-chunk capture point, a prompt with images' M-RoPE positions and image rows, and the SSM
+slots rank 0 wrote outside a forward (admission zeroing, prefix-snapshot restores,
+normalization) with their states, so every rank's SSM pool holds the same state when the forward
+starts. Three broadcasts: a fixed header, one int64 payload, and the float32 states when any slot
+changed (the image rows' embeddings follow in ``vision_sync.py``).
 """
 from __future__ import annotations
 
@@ -19,10 +20,10 @@ from engine.model.batch import DecodeGroup, PackedBatch, PrefillSegment
 from engine.model.gdn import SSMCapture
 
 OP_FORWARD, OP_IDLE, OP_STOP = 1, 2, 3
-HEADER_LEN = 12
+HEADER_LEN = 14
 # Header fields (int64): what follows and the sizes needed to split the payload.
 (H_OP, H_TOKENS, H_ROWS, H_PREFILL_START, H_PREFILL_LEN, H_PREFILL_SLOT, H_PREFILL_BLOCKS, H_DECODES,
- H_MAX_BLOCKS, H_CAPTURE, H_DIRTY, H_BLOCK_SIZE) = range(HEADER_LEN)
+ H_MAX_BLOCKS, H_CAPTURE, H_DIRTY, H_BLOCK_SIZE, H_ROPE, H_IMAGE_ROWS) = range(HEADER_LEN)
 
 
 def _header(op: int) -> torch.Tensor:
@@ -65,6 +66,12 @@ def send_forward(group: EPGroup, batch: PackedBatch, rows: torch.Tensor | None, 
     device = batch.token_ids.device
     if dirty:
         ints.append(torch.tensor(dirty, dtype=torch.long, device=device))
+    header[H_ROPE] = int(batch.rope_positions is not None)
+    if batch.rope_positions is not None:
+        ints.append(batch.rope_positions)  # [3, T]
+    header[H_IMAGE_ROWS] = 0 if batch.image_rows is None else batch.image_rows.numel()
+    if batch.image_rows is not None:
+        ints.append(batch.image_rows)
     payload = torch.cat([t.reshape(-1).to(device=device, dtype=torch.long) for t in ints])
     with collective(group, "forward broadcast"):
         dist.broadcast(header.to(device), src=0)
@@ -88,12 +95,12 @@ def receive(group: EPGroup, pool: SSMPool, device: torch.device):
     tokens, num_rows, num_decodes, max_blocks = h[H_TOKENS], h[H_ROWS], h[H_DECODES], h[H_MAX_BLOCKS]
     sizes = [tokens] * 3 + [max(num_rows, 0)]
     sizes += [h[H_PREFILL_BLOCKS]] if h[H_PREFILL_START] >= 0 else [0]
-    sizes += [num_decodes, num_decodes * max_blocks, num_decodes, h[H_DIRTY]]
+    sizes += [num_decodes, num_decodes * max_blocks, num_decodes, h[H_DIRTY], 3 * tokens * h[H_ROPE], h[H_IMAGE_ROWS]]
     payload = torch.empty(sum(sizes), dtype=torch.long, device=device)
     with collective(group, "forward broadcast (receiving)"):
         dist.broadcast(payload, src=0)
     (token_ids, positions, kv_slots, rows, block_ids, slots, tables, context_lens,
-     dirty) = payload.split(sizes)
+     dirty, rope, image_rows) = payload.split(sizes)
     if h[H_DIRTY]:
         states = torch.empty(_state_numel(pool, h[H_DIRTY]), dtype=pool.conv.dtype, device=device)
         with collective(group, "SSM state broadcast (receiving)"):
@@ -105,7 +112,9 @@ def receive(group: EPGroup, pool: SSMPool, device: torch.device):
     decode = None
     if num_decodes:
         decode = decode_group(slots, tables.reshape(num_decodes, max_blocks), context_lens, h[H_BLOCK_SIZE])
-    batch = PackedBatch(token_ids, positions, kv_slots, prefill, decode)
+    batch = PackedBatch(token_ids, positions, kv_slots, prefill, decode,
+                        rope_positions=rope.view(3, tokens) if h[H_ROPE] else None,
+                        image_rows=image_rows if h[H_IMAGE_ROWS] else None)
     if h[H_CAPTURE] >= 0:
         batch.ssm_capture = SSMCapture(num_rows=h[H_CAPTURE])  # same split of the chunk as on rank 0
     return OP_FORWARD, batch, (rows if num_rows >= 0 else None)

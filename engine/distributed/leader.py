@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from engine.cache.ssm_pool import SSMPool
-from engine.distributed import control
+from engine.distributed import control, vision_sync
 from engine.distributed.group import EPGroup, collective
 from engine.model.batch import PackedBatch
 from engine.model.errors import RankFailure
@@ -42,6 +42,7 @@ class EPLeader:
         self.keepalive_s = group.timeout_s / 4
         self.last_sent = time.monotonic()
         self.last_broadcast_ns: int | None = None
+        self.last_vision_sync_ns: int | None = None   # the image rows' broadcast (None: the forward had none)
         self.emit: Callable | None = None
         self.now_ns: Callable[[], int] = time.monotonic_ns
         self.tick: Callable[[], int] = lambda: 0
@@ -61,7 +62,9 @@ class EPLeader:
         self.check_children()
         start = time.perf_counter_ns()
         control.send_forward(self.group, batch, rows, pool, self.block_size)
-        self.last_broadcast_ns = time.perf_counter_ns() - start
+        synced = time.perf_counter_ns()
+        self.last_broadcast_ns = synced - start
+        self.last_vision_sync_ns = time.perf_counter_ns() - synced if vision_sync.send(self.group, batch) else None
         self.last_sent = time.monotonic()
 
     def after_forward(self, start_ns: int, expert_ns: int, exchange_ns: int, forward_ns: int) -> None:

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from engine.distributed import control
+from engine.distributed import control, vision_sync
 from engine.distributed.exchange import EXCHANGE_ALL_TO_ALL, EXCHANGES, make_exchange
 from engine.distributed.group import DEFAULT_TIMEOUT_S, EPGroup, StartMismatch, check_start, init_group, shutdown
 from engine.distributed.leader import gather_timings
@@ -37,6 +37,8 @@ def serve_forwards(group: EPGroup, model, runner: ModelRunner, device: torch.dev
             return num_forwards
         if op != control.OP_FORWARD:
             continue  # idle keepalive
+        embed = model.model.embed_tokens.weight
+        vision_sync.receive(group, batch, embed.shape[1], embed.dtype, device)
         model.moe_timings.reset()
         start = time.perf_counter_ns()
         model(batch, runner.pools.kv_store, runner.pools.ssm, rows)

@@ -40,6 +40,12 @@ class PackedBatch:
     kv_slots: torch.Tensor  # [T] long: flat index block * block_size + offset for the new K/V
     prefill: PrefillSegment | None
     decode: DecodeGroup | None
+    # A prompt with images (engine/multimodal/): the rotary's (t, h, w) positions [3, T] (None: the
+    # plain ``positions``), and the rows whose embeddings are the vision tower's instead of the
+    # token table's (``image_rows`` [N] long, ``image_embeds`` [N, hidden]).
+    rope_positions: torch.Tensor | None = None
+    image_rows: torch.Tensor | None = None
+    image_embeds: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

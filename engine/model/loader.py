@@ -13,6 +13,8 @@ from engine.model.errors import CheckpointError  # noqa: F401  (raised here, imp
 from engine.model.mtp import attach_mtp
 from engine.model.qwen3_5 import Qwen35ForCausalLM
 from engine.model.tokenizer import Tokenizer, load_tokenizer
+from engine.model.vision import attach_vision
+from engine.model.vision_config import read_vision_config
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -32,6 +34,15 @@ def read_config(directory: Path) -> ModelConfig | KimiConfig:
         if isinstance(raw, dict) and raw.get("model_type") == KIMI_MODEL_TYPE:
             return KimiConfig.from_hf_dict(raw, source=str(path))
         return ModelConfig.from_hf_dict(raw, source=str(path))
+    except ConfigError as err:
+        raise CheckpointError(str(err)) from None
+
+
+def read_vision(directory: Path):
+    """The checkpoint's ``VisionConfig`` (engine/model/vision_config.py), None for a text-only one."""
+    path = directory / "config.json"
+    try:
+        return read_vision_config(json.loads(path.read_text()), source=str(path))
     except ConfigError as err:
         raise CheckpointError(str(err)) from None
 
@@ -81,7 +92,10 @@ def _attach_mtp_if_stored(model: Qwen35ForCausalLM, stored: dict[str, Path]) -> 
     names the first missing or mis-shaped tensor).
     """
     layers = model.config.mtp_num_hidden_layers
-    if not layers:
+    if layers and getattr(model, "visual", None) is not None:
+        # The MTP layer's rotary would need the M-RoPE positions of prompts with images.
+        model.mtp_absent_reason = "the MTP module is not run for a checkpoint with a vision tower"
+    elif not layers:
         model.mtp_absent_reason = "config.json declares no MTP module (mtp_num_hidden_layers = 0)"
     elif not any(name.startswith(MTP_PREFIX) for name in stored):
         model.mtp_absent_reason = (f"config.json declares mtp_num_hidden_layers = {layers} but the checkpoint "
@@ -90,14 +104,30 @@ def _attach_mtp_if_stored(model: Qwen35ForCausalLM, stored: dict[str, Path]) -> 
         attach_mtp(model)
 
 
-def _stored_name(name: str, prefix: str) -> str:
-    """The checkpoint's name for one of our parameters (``prefix`` replaces our ``model.``)."""
+VISION_PREFIXES = ("model.visual.", "visual.")  # transformers' layout, then a bare one
+
+
+def _vision_prefix(stored: dict[str, Path], directory: Path) -> str:
+    """Where the checkpoint keeps the vision tower (the prefix in front of ``patch_embed.proj.weight``)."""
+    for prefix in VISION_PREFIXES:
+        if prefix + "patch_embed.proj.weight" in stored:
+            return prefix
+    raise CheckpointError(f"{directory}: config.json has a vision_config but the checkpoint holds no "
+                          f"model.visual.patch_embed.proj.weight")
+
+
+def _stored_name(name: str, prefix: str, vision_prefix: str = "") -> str:
+    """The checkpoint's name for one of our parameters (``prefix`` replaces our ``model.``,
+    ``vision_prefix`` our ``visual.``)."""
+    if name.startswith("visual."):
+        return vision_prefix + name[len("visual."):]
     return prefix + name[len("model."):] if name.startswith("model.") else name
 
 
 def load_weights(model: Qwen35ForCausalLM, directory: Path) -> None:
     stored = _weight_files(directory)
     prefix = _language_model_prefix(stored, directory)
+    vision_prefix = _vision_prefix(stored, directory) if getattr(model, "visual", None) is not None else ""
     _attach_mtp_if_stored(model, stored)
     expected = model.state_dict()
     tied = model.config.tie_word_embeddings
@@ -120,7 +150,7 @@ def load_weights(model: Qwen35ForCausalLM, directory: Path) -> None:
         for name, target in expected.items():
             if tied and name == "lm_head.weight":
                 continue  # shares storage with embed_tokens
-            stored_name = _stored_name(name, prefix)
+            stored_name = _stored_name(name, prefix, vision_prefix)
             try:
                 tensor = custom(stored_name, read) if custom is not None else None
             except ConfigError as err:
@@ -150,6 +180,9 @@ def load_model(name_or_dir: str | Path, dtype: torch.dtype = torch.float32,
     directory = checkpoint_dir_of(str(name_or_dir))
     config = read_config(directory)
     model = _build(config, directory, ep_rank, ep_size)
+    vision = read_vision(directory)
+    if vision is not None:
+        attach_vision(model, vision)
     load_weights(model, directory)
     model.to(device=device, dtype=dtype).eval()
     model.fuse()

@@ -99,6 +99,10 @@ class Qwen35ForCausalLM(nn.Module):
         # The MTP module (engine/model/mtp.py), attached by the loader when the checkpoint has one.
         self.mtp: nn.Module | None = None
         self.mtp_absent_reason = "no MTP module attached"
+        # The vision tower and its config (engine/model/vision.py), attached by the loader when
+        # config.json has a vision_config.
+        self.visual: nn.Module | None = None
+        self.vision_config = None
 
     @staticmethod
     def make_rotary(config: ModelConfig):
@@ -148,7 +152,10 @@ class Qwen35ForCausalLM(nn.Module):
         then the final norm and the LM head (the self-speculative early-exit draft).
         """
         x = self.model.embed_tokens(batch.token_ids)  # [T, hidden]
-        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        if batch.image_rows is not None:
+            x = x.index_copy(0, batch.image_rows, batch.image_embeds.to(x.dtype))  # placeholders -> the tower's rows
+        rope = batch.rope_positions if batch.rope_positions is not None else batch.positions
+        cos, sin = self.rotary.cos_sin(rope, x.dtype)
         layers = self.model.layers if exit_after is None else self.model.layers[:exit_after]
         *body, last = layers
         for layer in body:

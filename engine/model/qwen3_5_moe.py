@@ -175,6 +175,10 @@ class Qwen35MoeForCausalLM(Qwen35ForCausalLM):
     def last_broadcast_ns(self) -> int | None:
         return self.leader.last_broadcast_ns if self.leader is not None else None
 
+    @property
+    def last_vision_sync_ns(self) -> int | None:
+        return self.leader.last_vision_sync_ns if self.leader is not None else None
+
     def forward(self, batch, kv, pool, logits_rows: torch.Tensor | None = None, *, return_hidden: bool = False,
                 exit_after: int | None = None):
         """As the dense model; with a leader attached, every rank runs this forward together.

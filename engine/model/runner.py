@@ -15,6 +15,8 @@ from engine.model import mtp_feed
 from engine.model.gdn import SSMCapture
 from engine.model.qwen3_5 import Qwen35ForCausalLM
 from engine.model.roofline import ForwardCost, forward_cost
+from engine.multimodal.chunk_inputs import attach_images, shift_past_prompt
+from engine.multimodal.encoder_cache import EncoderCache
 from engine.cache.sequence import SequenceState
 
 
@@ -50,6 +52,11 @@ class ModelRunner:
             self.compiled_decode = CompiledDecode(model, pools.kv_store, pools.ssm, pools.blocks.block_size,
                                                   compile, self.device)
         self.last_forward_compiled = False  # whether the last forward ran the compiled step
+        # Vision-tower outputs by image content hash (engine/multimodal/encoder_cache.py), kept with
+        # the other caches; the covered image spans of the last forward's chunk (telemetry reads them).
+        if getattr(model, "visual", None) is not None and pools.encoder is None:
+            pools.encoder = EncoderCache()
+        self.last_image_spans: list = []
 
     @classmethod
     def build(cls, model: Qwen35ForCausalLM, num_kv_blocks: int, num_ssm_slots: int, block_size: int = 16,
@@ -79,6 +86,15 @@ class ModelRunner:
     def ep_broadcast_ns(self) -> int | None:
         """Rank 0's broadcast before the last forward under expert parallelism, else None."""
         return getattr(self.model, "last_broadcast_ns", None)
+
+    @property
+    def ep_vision_sync_ns(self) -> int | None:
+        """Rank 0's broadcast of the last forward's image rows under expert parallelism, else None."""
+        return getattr(self.model, "last_vision_sync_ns", None)
+
+    @property
+    def encoder_cache(self) -> EncoderCache | None:
+        return self.pools.encoder
 
     @property
     def vocab_size(self) -> int:
@@ -188,6 +204,10 @@ class ModelRunner:
                                                                                     device=self.device)
         self.pools.kv_store.begin_forward(batch.num_prefill_tokens)  # InnerQ calibrates on prefill keys
         try:
+            if self.pools.encoder is not None:   # M-RoPE positions and the tower's rows (chunk_inputs.py)
+                offset = prefill_seq.num_cached_tokens if prefill_seq is not None else 0
+                self.last_image_spans = attach_images(batch, prefill_seq, offset, batch.num_prefill_tokens,
+                                                      decode_seqs, self.model.visual, self.pools.encoder)
             if self.fault is None:
                 return self._model_and_mtp(batch, row_ids, prefill_seq, decode_seqs)
             kind = KIND_DECODE if prefill_seq is None else KIND_MIXED if decode_seqs else KIND_PREFILL
@@ -231,6 +251,7 @@ class ModelRunner:
             for step in range(num_drafts):
                 batch = build_batch(None, [(token, seq.num_cached_tokens + step, seq.block_table, seq.ssm_slot)],
                                     self.kv_block_size, self.device)
+                shift_past_prompt(batch, seq)
                 logits = self.model(batch, self.pools.kv_store, self.pools.ssm, exit_after=num_layers)  # [1, V]
                 token = int(logits[0].argmax())
                 drafts.append(token)

@@ -106,9 +106,12 @@ def tokenizer_tokens() -> list[str]:
 
 
 def ensure_cached_checkpoint(name: str, marker_name: str, marker: dict,
-                             build: Callable[[], Qwen35ForCausalLM]) -> Path:
+                             build: Callable[[], Qwen35ForCausalLM],
+                             write: Callable[[Qwen35ForCausalLM, Path], None] | None = None,
+                             tokenizer: Callable[[], object] = build_byte_tokenizer) -> Path:
     """``cache_root() / name``, built by ``build`` on first use or when its marker differs from ``marker``.
 
+    ``write`` saves the model (``write_checkpoint``), ``tokenizer`` builds its tokenizer.
     Written to a staging directory and moved into place, so a reader never sees half a checkpoint;
     a process that loses the race to another (an expert-parallel rank) keeps the winner's copy.
     """
@@ -119,8 +122,8 @@ def ensure_cached_checkpoint(name: str, marker_name: str, marker: dict,
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=directory.parent))
     try:
-        write_checkpoint(build(), staging)
-        build_byte_tokenizer().save(str(staging / "tokenizer.json"))
+        (write or write_checkpoint)(build(), staging)
+        tokenizer().save(str(staging / "tokenizer.json"))
         (staging / marker_name).write_text(json.dumps(marker))
         if directory.exists():
             shutil.rmtree(directory)

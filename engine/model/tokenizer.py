@@ -18,6 +18,9 @@ TOOL_RESPONSE_START, TOOL_RESPONSE_END = "<tool_response>", "</tool_response>"
 SPECIAL_TOKENS = (EOS, THINK_START, THINK_END, TOOL_CALL_START, TOOL_CALL_END)
 # Qwen3.5's chat-template tokens, added after the fence so the older ids keep their values.
 CHAT_TOKENS = (IM_START, IM_END, TOOL_RESPONSE_START, TOOL_RESPONSE_END)
+# Qwen3.5's image tokens: an image is VISION_START, IMAGE_PAD per embedding row, VISION_END.
+VISION_START, VISION_END, IMAGE_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"
+VISION_TOKENS = (VISION_START, VISION_END, IMAGE_PAD)
 
 # model attribute -> token text
 SPECIAL_ATTRIBUTES = {
@@ -68,8 +71,9 @@ def load_tokenizer(directory: Path) -> Tokenizer | None:
         raise CheckpointError(f"{path}: unreadable tokenizer ({err})") from None
 
 
-def build_byte_tokenizer() -> HFTokenizer:
-    """256 byte tokens (ids 0..255, GPT-2 byte-to-unicode alphabet, no merges) + special tokens."""
+def build_byte_tokenizer(extra_special: tuple[str, ...] = ()) -> HFTokenizer:
+    """256 byte tokens (ids 0..255, GPT-2 byte-to-unicode alphabet, no merges) + special tokens
+    (``extra_special`` after the chat tokens: ``tiny-vl``'s vision tokens)."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     byte_chars = sorted(alphabet, key=_byte_of)
     vocab = {char: i for i, char in enumerate(byte_chars)}
@@ -79,7 +83,7 @@ def build_byte_tokenizer() -> HFTokenizer:
     inner.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     # The fence is a plain added token: it is matched inside ordinary text and kept on decode.
     inner.add_tokens([AddedToken(CODE_FENCE, special=False, normalized=False)])
-    inner.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in CHAT_TOKENS])
+    inner.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in CHAT_TOKENS + extra_special])
     return inner
 
 

@@ -16,10 +16,11 @@ divergence. Tokens are compared per request; the earliest differing token
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.replay.record import RecordedRun, is_cut_short
+from engine.replay.stall_report import stall_lines
 from telemetry import events as ev
 
 CHUNK_FIELDS = ("tick", "request_id", "offset", "length", "cap_rule", "path", "can_mix",
@@ -44,6 +45,8 @@ class ReplayedRun:
     tokens: list[ev.TokenEvent]
     requests: dict[int, ReplayedRequest]
     lever_log: list[dict[str, Any]]           # {"tick", "changes"} applied during the replay
+    blocked: list[dict[str, Any]] = field(default_factory=list)   # {"tick", "blocker"}: no step possible after an apply
+    ttft_ms: list[float] = field(default_factory=list)               # the replay's own first-token latencies
     dtype: str = "float32"                    # what the replay computed in (``run_dtype.replay_dtype``)
     device: str = "cpu"
     model: Any = None                         # the loaded model (``divergence.explain`` reruns a position)
@@ -145,6 +148,8 @@ def text_report(report: dict[str, Any], *, flips: dict[str, Any], notes: list[st
     for entry in report.get("lever_changes_replayed") or []:
         lines.append(f"levers applied at tick {entry['tick']}: "
                      + ", ".join(f"{k}={v}" for k, v in entry["changes"].items()))
+    if report.get("stall"):
+        lines += report["stall"].get("lines") or stall_lines(report["stall"])
     lines.append(f"decisions: {verdict(report['decisions_identical'])} "
                  f"({report['num_chunks']['recorded']} chunks recorded, {report['num_chunks']['replayed']} "
                  f"replayed; {report['num_ticks']['recorded']} ticks recorded, "

@@ -20,6 +20,7 @@ from typing import Any
 
 from telemetry import events as ev
 from telemetry.schema import decode_row
+from telemetry.stalls import Spell, blocked_spells, read_stall_rows
 
 # Statuses a request still has when its run ended under it (crash, SIGTERM).
 IN_FLIGHT = (ev.REQ_WAITING, ev.REQ_PREFILLING, ev.REQ_DECODING)
@@ -43,7 +44,9 @@ class RecordedRun:
     chunks: list[ev.ChunkDecision]
     ticks: list[ev.Tick]
     tokens: list[ev.TokenEvent]
+    stalls: list[Spell] = field(default_factory=list)   # blocked spells (telemetry/stalls.py)
     source: str = ""                          # the file this came from (for messages)
+    images: dict[str, bytes] = field(default_factory=dict)   # content hash -> bytes of the requests' images
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -111,6 +114,7 @@ def load_recorded_run(db_path: str | os.PathLike, run_id: int | None = None) -> 
             chunks = _rows(conn, ev.ChunkDecision, run_id, "tick, id")
             ticks = _rows(conn, ev.Tick, run_id, "tick, id")
             tokens = _rows(conn, ev.TokenEvent, run_id, "tick, id")
+            stall_rows = read_stall_rows(conn, run_id)
         except sqlite3.DatabaseError as exc:
             raise ReplayInputError(f"{db_path}: cannot read run {run_id} ({exc})") from None
     finally:
@@ -119,9 +123,16 @@ def load_recorded_run(db_path: str | os.PathLike, run_id: int | None = None) -> 
         run_id=run_id, status=run.get("status") or "unknown", model=run.get("model") or "",
         config=_json(run.get("config")), start_levers=_json(run.get("levers")),
         checkpoint_hash=run.get("checkpoint_hash") or "", requests=requests, lever_changes=changes,
-        chunks=chunks, ticks=ticks, tokens=tokens, source=db_path)
+        chunks=chunks, ticks=ticks, tokens=tokens, source=db_path,
+        stalls=blocked_spells(stall_rows, open_end_ns=_last_ns(ticks, changes, stall_rows)))
     _check_replayable(recorded)
     return recorded
+
+
+def _last_ns(ticks: list[ev.Tick], changes: list[ev.LeverChange], stall_rows: list[tuple]) -> int:
+    """The run's last recorded moment: where a spell never cleared (stopped while blocked) ends."""
+    ends = [t.t_ns + t.duration_ns for t in ticks[-1:]] + [c.t_ns for c in changes] + [r[0] for r in stall_rows]
+    return max(ends, default=0)
 
 
 def _json(value: Any) -> dict[str, Any]:

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from engine.replay import flips as replay_flips
+from engine.replay import flips as replay_flips, stall_report
 from engine.serve.driver import LeverTimeline, TickArrivals, TickCancels, TickDriver, run_arrivals
 from engine.serve.engine_setup import build_engine, checkpoint_dir_of, checkpoint_hash
 from engine.cache.kv_options import OPTION_KEYS
@@ -32,6 +34,7 @@ from engine.model.embedded import EMBEDDED_MODELS
 from engine.model.fault import ForwardFault
 from engine.model.reproducible import NATIVE
 from engine.replay.compare import ReplayedRequest, ReplayedRun
+from engine.multimodal.image_store import IMAGES_DIR, ImageStore
 from engine.replay.record import RecordedRun, ReplayInputError, load_recorded_run
 from engine.replay.run_dtype import replay_dtype
 from engine.scheduler.request_features import CLIENT_DISCONNECTED
@@ -58,13 +61,22 @@ def load_input(path: str, run_id: int | None = None) -> tuple[RecordedRun, dict[
                 raise ReplayInputError(f"{path}: a time-windowed bundle holds only part of the run; "
                                        f"export the whole run to replay it")
             recorded = load_recorded_run(bundle.db_path, bundle.run_id if run_id is None else run_id)
+            recorded.images = read_images(bundle.images_dir)
         recorded.source = path
         return recorded, bundle.manifest
     if os.path.isdir(path):
         path = os.path.join(path, "telemetry.db")
     if not os.path.exists(path):
         raise ReplayInputError(f"{path}: no such bundle or telemetry store")
-    return load_recorded_run(path, run_id), None
+    recorded = load_recorded_run(path, run_id)
+    recorded.images = read_images(Path(path).parent / IMAGES_DIR)
+    return recorded, None
+
+
+def read_images(directory: Path) -> dict[str, bytes]:
+    """The images of a run (a run directory's or a bundle's ``images/``), by content hash."""
+    store = ImageStore(directory)
+    return {key: store.get(key) for key in store.hashes()}
 
 
 def resolve_model(recorded: RecordedRun, model: str | None, *, ignore_hash: bool) -> tuple[str, list[str]]:
@@ -104,11 +116,12 @@ def recorded_numerics(config: dict[str, Any]) -> str:
 
 def replay_run(recorded: RecordedRun, *, model: str = "tiny", flips: dict[str, Any] | None = None,
                device: str | None = None, kv_cache: dict[str, Any] | None = None,
-               numerics: str | None = None) -> ReplayedRun:
+               numerics: str | None = None, progress: Callable[[int], None] | None = None) -> ReplayedRun:
     """Re-run ``recorded`` on ``model`` (checked by the caller) and collect what the engine did.
 
     ``kv_cache``: KV cache options; by default the run's own (format, byte budget, InnerQ windows).
-    ``numerics``: 'reproducible' / 'native'; by default the mode the run recorded (``recorded_numerics``)."""
+    ``numerics``: 'reproducible' / 'native'; by default the mode the run recorded (``recorded_numerics``).
+    ``progress(tick)``: called before each step (the CLI's tqdm bar)."""
     flips = dict(flips or {})
     config = recorded.config
     device = device or config.get("device") or None
@@ -126,30 +139,37 @@ def replay_run(recorded: RecordedRun, *, model: str = "tiny", flips: dict[str, A
             bucket.append(event)
 
     torch.set_grad_enabled(False)
+    image_store = ImageStore()
+    for data in recorded.images.values():
+        image_store.put(data)
     setup = build_engine(model, kv_blocks=config["kv_blocks"], ssm_slots=config["ssm_slots"],
                          levers=levers, seed=int(config.get("seed", 0)), device=device, dtype=dtype,
                          emit=collect,  # only the rows a comparison needs are kept
                          fault=ForwardFault.parse(config["fault_forward"]) if config.get("fault_forward") else None,
                          kv_cache=kv_cache if kv_cache is not None else recorded_kv_cache(config),
-                         numerics=numerics or recorded_numerics(config))
+                         numerics=numerics or recorded_numerics(config), image_store=image_store)
     sched = setup.scheduler
     replay_flips.check_model_can_honour(flips, setup.model)
-    submitted, lever_log = drive(sched, recorded, flips, cut_at_tick=None if flips else recorded.num_ticks,
-                                 cut_lengths=replay_flips.recorded_cut_lengths(recorded) if flips else None)
+    submitted, levers = drive(sched, recorded, flips, cut_at_tick=None if flips else recorded.num_ticks,
+                              cut_lengths=replay_flips.recorded_cut_lengths(recorded) if flips else None,
+                              progress=progress)
     # From the submitted objects, in submission order (``sched.done`` holds them in end order).
     done = {r.request_id: ReplayedRequest(r.request_id, r.status, r.error, list(r.output_tokens))
             for r in submitted}
-    return ReplayedRun(rows[ev.ChunkDecision], rows[ev.Tick], rows[ev.TokenEvent], done, lever_log,
+    return ReplayedRun(rows[ev.ChunkDecision], rows[ev.Tick], rows[ev.TokenEvent], done, levers.log,
+                       blocked=levers.blocked, ttft_ms=stall_report.ttft_ms(submitted),
                        dtype=dtype_name, device=device, model=setup.model)
 
 
 def drive(sched, recorded: RecordedRun, flips: dict[str, Any], *, cut_at_tick: int | None,
-          cut_lengths: dict[int, int] | None = None) -> tuple[list[Any], list[dict]]:
+          cut_lengths: dict[int, int] | None = None,
+          progress: Callable[[int], None] | None = None) -> tuple[list[Any], LeverTimeline]:
     """Submit arrivals and apply lever changes at their recorded ticks, stepping like ``serve``.
 
     ``cut_lengths``: requests the recording cut short end where it did (a flipped replay).
 
-    Returns the submitted Request objects (in submission order) and the lever log."""
+    Returns the submitted Request objects (in submission order) and the lever timeline (its
+    ``log`` of applies and where no step was possible after one)."""
     arrivals = TickArrivals(recorded.requests, lambda r: r.arrival_tick)
     # API clients that went away: cancelled again at the tick boundary where the engine cancelled them.
     gone = sorted((r for r in recorded.requests if r.status == ev.REQ_CANCELLED and
@@ -157,10 +177,12 @@ def drive(sched, recorded: RecordedRun, flips: dict[str, Any], *, cut_at_tick: i
     disconnects = [] if flips else [(r.tick, r.request_id) for r in gone]
     levers = LeverTimeline(recorded.lever_changes, flips)
     cut = [lambda s: replay_flips.cut_where_recorded(s, cut_lengths)] if cut_lengths else []
-    driver = TickDriver(sched, [arrivals, TickCancels(disconnects, CLIENT_DISCONNECTED), levers], before_step=cut)
+    shown = [lambda s: progress(s.tick)] if progress is not None else []
+    driver = TickDriver(sched, [arrivals, TickCancels(disconnects, CLIENT_DISCONNECTED), levers],
+                        before_step=cut + shown)
     # Idle spells cost no tick: serve slept until the next arrival, so it was recorded at this tick
     # (later only when a flip changed pace).
     run_arrivals(driver, arrivals, cut_at_tick=cut_at_tick)
     driver.boundary()  # arrivals and levers logged at the final tick, never stepped
     sched.stop()
-    return arrivals.submitted, levers.log
+    return arrivals.submitted, levers

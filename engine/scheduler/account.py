@@ -13,6 +13,22 @@ from engine.scheduler.tick_output import TickOutput
 from telemetry import events as ev
 
 
+def _image_columns(ctx: TickContext, row: ev.ChunkDecision, covered: list, cache, request) -> None:
+    """The image rows the chunk covered (``image#first-end``), the tower's time, and one event per
+    encoder run or cache hit (``engine/multimodal/encoder_cache.py``) for the chunk's request."""
+    if cache is None:
+        return
+    events = cache.take_events()
+    if covered and request.seq.images is not None:
+        index = {id(span): i for i, span in enumerate(request.seq.images.spans)}
+        row.image_spans = " ".join(f"{index[id(c.span)]}#{c.first}-{c.end}" for c in covered)
+        row.encoder_ns = sum(e.duration_ns for e in events)
+    for event in events:
+        kind = ev.EVENT_ENCODER_RUN if event.kind == "run" else ev.EVENT_ENCODER_HIT
+        ctx.event(kind, request.request_id,
+                  {"image": event.content_hash, "tokens": event.tokens, "duration_ns": event.duration_ns})
+
+
 def account(plan: TickPlan, out: TickOutput, ctx: TickContext, queues: Queues, pools: CachePools,
             runner: ModelRunner, *, start_ns: int, machine_rates: MachineRates | None) -> str:
     """Emit the tick's rows; returns the path it took."""
@@ -22,7 +38,9 @@ def account(plan: TickPlan, out: TickOutput, ctx: TickContext, queues: Queues, p
         row.duration_ns = ctx.now_ns() - out.chunk_start_ns
         if row.outcome in ev.COMPUTED_OUTCOMES:
             row.ep_broadcast_ns = runner.ep_broadcast_ns  # None without expert parallelism
+            row.ep_vision_sync_ns = runner.ep_vision_sync_ns  # None without image rows under it
             num_prefill = plan.chunk.chunk.length
+            _image_columns(ctx, row, runner.last_image_spans, runner.encoder_cache, plan.chunk.request)
         ctx.emit(row)
         path = row.path
     num_finished = queues.retire()

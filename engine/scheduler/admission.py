@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.grammar.spec import GrammarSpec
+from engine.multimodal.limits import ImageError
 from engine.scheduler.context import ModelTraits
 from engine.scheduler.request_features import RequestFeatures
 from engine.scheduler.request import Request
@@ -104,3 +105,17 @@ def mark_rejected(request: Request, message: str) -> None:
 def recorded_spec(raw: dict) -> GrammarSpec:
     """A rejected request's grammar as the client sent it, kept for its row (and a replay)."""
     return GrammarSpec(str(raw.get("kind")), raw.get("value"), bool(raw.get("after_think", False)))
+
+
+def check_images(tokens: list[int], hashes: tuple[str, ...], images) -> Any:
+    """The prompt's ``PromptImages`` (None without images), or RequestRejected naming the problem.
+
+    ``images``: the engine's ``RequestImages`` (None: its checkpoint has no vision tower)."""
+    if not hashes:
+        return None
+    if images is None:
+        raise RequestRejected("features.images: this model takes no images (its checkpoint has no vision tower)")
+    try:
+        return images.prompt_images(tokens, hashes)
+    except ImageError as exc:
+        raise RequestRejected(f"features.images: {exc}") from None

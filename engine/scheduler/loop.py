@@ -26,7 +26,7 @@ from engine.cache.prefix_pool import PrefixPool
 from engine.scheduler import grammar_step
 from engine.scheduler.account import account
 from engine.scheduler.adaptive import region_of
-from engine.scheduler.admission import (RequestRejected, check_features, check_prompt, mark_rejected,
+from engine.scheduler.admission import (RequestRejected, check_features, check_images, check_prompt, mark_rejected,
                                         parse_sampling, recorded_spec, rejected_request, whole_prompt_refusal)
 from engine.scheduler.admit import admit
 from engine.scheduler.chunk_plan import whole_prompt_rule
@@ -37,6 +37,7 @@ from engine.scheduler.plan import KIND_IDLE, plan_tick
 from engine.scheduler.queues import Queues
 from engine.scheduler.request import Request
 from engine.scheduler.request_features import RequestFeatures
+from engine.multimodal.request_images import RequestImages
 from engine.scheduler.sample import sample
 from engine.scheduler.streams import EVENT_PREFILL_DONE, STREAM_DEFAULT, STREAM_PREFILL, StreamSet
 from engine.spec.kinds import SPEC_MTP
@@ -60,8 +61,12 @@ class Scheduler:
                  run_seed: int = 0, clock_ns: Callable[[], int] = time.monotonic_ns,
                  prefix_cache: bool = False, detokenize: Callable[[list[int]], str] | None = None,
                  grammars: Any = None, eos_ids: Collection[int] | None = None,
-                 machine_rates: MachineRates | None = None, numerics: str = "native") -> None:
+                 machine_rates: MachineRates | None = None, numerics: str = "native",
+                 images: RequestImages | None = None) -> None:
+        """``images``: the store and preprocessing of a checkpoint with a vision tower
+        (``engine/multimodal/request_images.py``); None refuses requests with images."""
         self.runner = runner
+        self.images = images
         # "reproducible": every step runs inside engine/model/reproducible.py's mode (forward and sampling).
         self.numerics = reproducible.check_choice(numerics)
         self.events = RunEvents(emit, clock_ns)
@@ -209,6 +214,7 @@ class Scheduler:
             tokens = check_prompt(prompt_tokens, vocab_size=self.runner.vocab_size,
                                   max_context=self.max_context, num_usable_blocks=bm.num_blocks,
                                   block_size=bm.block_size, max_tokens=params.max_tokens)
+            prompt_images = check_images(tokens, feats.images, self.images)
             if whole_prompt_rule(self.traits.is_mla, self.levers.mla_chunked_prefill):
                 refusal = whole_prompt_refusal(len(tokens), self.levers.max_tick_tokens)
                 if refusal is not None:  # at once; admission checks again after a lever change
@@ -219,6 +225,7 @@ class Scheduler:
                                        conversation_id=conversation_id)
             return self._reject(request, str(exc))
         request = Request(request_id, tokens, params, self.now_ns(), self.tick, conversation_id, feats)
+        request.seq.images = prompt_images
         request.region = region_of(tokens, self.traits.structure_tokens)
         if grammar is not None:
             try:

@@ -6,11 +6,12 @@ A chunk tick advances the prefilling request by one chunk: its length and the ca
 state is captured inside it, and the fused decode rows. A decode tick runs the decode batch,
 its rows in SSM-slot order (``mixing.decode_order``). After a plain chunk the decodes are owed
 the next tick, so a blocked mix (``bisect_no_mix``, speculation) never starves the running
-sequences. A new cap rule is one more input of ``plan_chunk``; a per-request encoder step would
-be one more field of ``ChunkStep``.
+sequences. A new cap rule is one more input of ``plan_chunk``; a prompt with images gets its
+image caps after it (``image_caps.cap_for_images``: the encoder budget, an image kept whole).
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ from engine.cache.pools import CachePools
 from engine.scheduler import prefix_step, siblings
 from engine.scheduler.chunk_plan import ChunkPlan, plan_chunk, whole_prompt_rule
 from engine.scheduler.context import TickContext
+from engine.scheduler.image_caps import cap_for_images, image_spans
 from engine.scheduler.mixing import DraftDrop, MixVerdict, can_mix, decode_order, plan_draft_drop
 from engine.scheduler.queues import Queues
 from engine.scheduler.request import Request
@@ -63,6 +65,8 @@ def plan_tick(ctx: TickContext, queues: Queues, pools: CachePools) -> TickPlan:
         slice_budget=levers.slice_budget if levers.always_mixed else None, is_mla=traits.is_mla,
         block_size=traits.block_size, ssm_tail_ckpt=tail_ckpt, ssm_tail_midchunk=levers.ssm_tail_midchunk,
         tail_split=traits.prefill_tail_split(req.prompt_tokens), mla_chunked_prefill=levers.mla_chunked_prefill)
+    if req.seq.images is not None:
+        chunk = _capped_for_images(chunk, req, levers, pools)
     verdict = can_mix(bisect_no_mix=levers.bisect_no_mix, num_active=len(active), is_ep=traits.is_ep,
                       speculation=levers.speculation)
     capture_at = prefix_step.capture_point(
@@ -73,6 +77,16 @@ def plan_tick(ctx: TickContext, queues: Queues, pools: CachePools) -> TickPlan:
         return TickPlan(KIND_CHUNK, ChunkStep(req, chunk, verdict, None, capture_at))
     drop = plan_draft_drop(levers.speculation, [len(a.pending_drafts) for a in active])
     return TickPlan(KIND_CHUNK, ChunkStep(req, chunk, verdict, drop, capture_at), tuple(decode_rows(active)))
+
+
+def _capped_for_images(chunk: ChunkPlan, req: Request, levers, pools: CachePools) -> ChunkPlan:
+    """``chunk`` shortened by the image caps (``image_caps.cap_for_images``) when one binds."""
+    encoded = pools.encoder.__contains__ if pools.encoder is not None else (lambda key: False)
+    length, rule = cap_for_images(req.chunk_offset, chunk.length, image_spans(req.seq.images, encoded),
+                                  encoder_budget=levers.encoder_budget, image_whole=levers.image_whole)
+    if rule is None:
+        return chunk
+    return dataclasses.replace(chunk, length=length, is_last=False, cap_rule=rule)
 
 
 def decode_rows(active: Sequence[Request]) -> list[Request]:

@@ -58,7 +58,7 @@ def on_admit(ctx: TickContext, pools: CachePools, req: Request) -> None:
     # The first chunk after the prefix: the whole rest under the MLA whole-prompt rule.
     whole = whole_prompt_rule(ctx.traits.is_mla, ctx.levers.mla_chunked_prefill)
     first_chunk_cap = req.prompt_len if whole else ctx.levers.max_prefill_tokens
-    match = pools.prefix.admit(req.request_id, req.prompt_tokens, req.seq, first_chunk_cap,
+    match = pools.prefix.admit(req.request_id, req.prefix_key, req.seq, first_chunk_cap,
                                no_hit=PROMPT_LOGPROBS_MISS if req.features.prompt_logprobs is not None else None)
     req.chunk_offset = match.num_tokens
     req.prefix_hit_tokens = match.num_tokens
@@ -72,5 +72,5 @@ def on_chunk_done(ctx: TickContext, pools: CachePools, req: Request, capture_at:
         return
     tail = siblings.tail_ckpt(ctx.levers, req.features, prefix_on=True)
     points = snapshot_points(tail, ctx.traits.block_size, req.prompt_len)
-    pools.prefix.after_chunk(req.request_id, req.prompt_tokens, req.seq, capture_at=capture_at, captured=captured,
+    pools.prefix.after_chunk(req.request_id, req.prefix_key, req.seq, capture_at=capture_at, captured=captured,
                              snapshot_points=points)

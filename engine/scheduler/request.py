@@ -73,6 +73,15 @@ class Request:
             # replay reproduces tokens whatever the batch around it looks like.
             self.generator = torch.Generator().manual_seed(int(self.params.seed))
 
+    @property
+    def prefix_key(self):
+        """The prompt as the prefix cache keys it (``PromptImages.prefix_key`` with images)."""
+        return self.seq.images.prefix_key if self.seq.images is not None else self.prompt_tokens
+
+    @property
+    def num_images(self) -> int:
+        return len(self.seq.images.spans) if self.seq.images is not None else 0
+
     def clear_pending_drafts(self) -> None:
         """Forget the drafts of the last speculative step."""
         self.pending_drafts = []
@@ -114,6 +123,7 @@ class Request:
             grammar_kind=self.grammar_spec.kind if self.grammar_spec is not None else None,
             grammar_ready_tick=self.grammar_ready_tick, grammar_valid=self.grammar_valid,
             grammar_approximations=",".join(self.grammar_approximations) or None,
+            num_images=len(self.features.images),
         )
 
     def _features_dict(self) -> dict:

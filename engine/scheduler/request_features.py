@@ -15,7 +15,8 @@ from engine.scheduler.json_fields import strict_kwargs
 
 SOURCE_WORKLOAD = "workload"
 SOURCE_API = "api"
-SOURCES = (SOURCE_WORKLOAD, SOURCE_API)
+SOURCE_REPLAY = "replay"   # a recorded run's workload served again (serve --workload bundle:PATH)
+SOURCES = (SOURCE_WORKLOAD, SOURCE_API, SOURCE_REPLAY)
 MAX_LOGPROBS = 20          # top-k alternatives per token (OpenAI's bound for chat top_logprobs)
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 16           # n: sibling requests of one API request
@@ -32,6 +33,7 @@ class RequestFeatures:
     prompt_logprobs: int | None = None   # None: none; k >= 0: each prompt token's logprob + top k (echo)
     n: int = 1                           # the API request's choices: this request is one of n siblings
     choice: int = 0                      # which one (0 .. n - 1); siblings share the prompt
+    images: tuple[str, ...] = ()         # the prompt's images in order, by content hash (engine/multimodal/)
 
     def validate(self) -> "RequestFeatures":
         """Raise ValueError naming the first bad field; return self when all are fine."""
@@ -53,6 +55,8 @@ class RequestFeatures:
             raise ValueError(f"features.n must be an int in [1, {MAX_CHOICES}], got {n!r}")
         if isinstance(choice, bool) or not isinstance(choice, int) or not 0 <= choice < n:
             raise ValueError(f"features.choice must be an int in [0, n={n}), got {choice!r}")
+        if any(not isinstance(h, str) or len(h) != 64 or h.strip("0123456789abcdef") for h in self.images):
+            raise ValueError(f"features.images must be sha256 hex digests, got {list(self.images)!r:.120}")
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -60,7 +64,8 @@ class RequestFeatures:
         them read as before those fields existed)."""
         d = asdict(self)
         d["stop_strings"] = list(self.stop_strings)
-        for name, off in (("prompt_logprobs", None), ("n", 1), ("choice", 0)):
+        d["images"] = list(self.images)
+        for name, off in (("prompt_logprobs", None), ("n", 1), ("choice", 0), ("images", [])):
             if d[name] == off:
                 del d[name]
         return d
@@ -71,6 +76,10 @@ class RequestFeatures:
         if data is None:
             return cls()
         kwargs = strict_kwargs(cls, data, "features", "stop_strings", "strings")
+        if "images" in kwargs:
+            if not isinstance(kwargs["images"], (list, tuple)):
+                raise ValueError(f"features.images must be a list of content hashes, got {kwargs['images']!r}")
+            kwargs["images"] = tuple(kwargs["images"])
         return cls(**kwargs).validate()
 
 

@@ -148,23 +148,44 @@ class LeverFile(Source):
 
 
 class LeverTimeline(Source):
-    """Lever changes recorded by tick (a replay); ``flips`` win over the timeline."""
+    """Lever changes recorded by tick (a replay); ``flips`` win over the timeline.
+
+    Each recorded apply is replayed as its own apply, in order: while the engine was blocked its
+    tick stood still, so several applies share one tick (a KV cap set, the engine blocked, the cap
+    lifted), and merging them would net the cap out and lose the stall. After each apply the
+    timeline notes whether no step is possible (``blocked``: the replay's view of the stall)."""
 
     def __init__(self, changes: Iterable, flips: dict[str, Any]) -> None:
         self.changes = deque(changes)
         self.flips = flips
-        self.log: list[dict] = []    # what was applied where
+        self.log: list[dict] = []        # what was applied where, one entry per apply
+        self.blocked: list[dict] = []    # {"tick", "blocker"}: no step possible after an apply
 
     def before_tick(self, sched) -> None:
-        due: dict[str, Any] = {}
         while self.changes and self.changes[0].tick <= sched.tick:
-            change = self.changes.popleft()
-            due[change.name] = change.new
-        if due:
+            due = self._next_apply()
             values = sched.levers.replace(**due).replace(**self.flips)
             applied = sched.apply_levers(values, source="replay")
             if applied:
                 self.log.append({"tick": sched.tick, "changes": {k: v[1] for k, v in applied.items()}})
+            if sched.waiting and not sched.active and sched.prefilling is None:
+                blocker = StallWatch().head_blocker(sched)
+                if blocker is not None:
+                    self.blocked.append({"tick": sched.tick, "blocker": blocker})
+
+    def _next_apply(self) -> dict[str, Any]:
+        """The next recorded apply: consecutive changes of one tick, one file version and one source
+        (a lever named twice starts a new apply)."""
+        first = self.changes.popleft()
+        due = {first.name: first.new}
+        key = (first.tick, getattr(first, "file_version", None), getattr(first, "source", None))
+        while self.changes:
+            change = self.changes[0]
+            same = (change.tick, getattr(change, "file_version", None), getattr(change, "source", None)) == key
+            if not same or change.name in due:
+                break
+            due[self.changes.popleft().name] = change.new
+        return due
 
 
 class TickCancels(Source):

@@ -24,6 +24,8 @@ from engine.model.loader import load_model
 from engine.model import tiny
 from engine.model.roofline import MachineRates, measure_rates
 from engine.model.runner import ModelRunner
+from engine.multimodal.image_store import ImageStore
+from engine.multimodal.request_images import RequestImages
 from engine.scheduler.loop import Scheduler
 from telemetry.events import RunStarted
 from telemetry.levers import LeverValues
@@ -51,10 +53,14 @@ class EngineSetup:
 
     @property
     def special_ids(self) -> set[int]:
-        """Token ids a workload must not draw for prompt text (EOS, think, tool-call, fence)."""
+        """Token ids a workload must not draw for prompt text (EOS, think, tool-call, fence, image tokens)."""
         names = ("eos_token_id", "think_start_id", "think_end_id", "tool_call_start_id",
                  "tool_call_end_id", "code_fence_id")
-        return {i for i in (getattr(self.model, n, None) for n in names) if i is not None}
+        ids = {i for i in (getattr(self.model, n, None) for n in names) if i is not None}
+        vision = getattr(self.model, "vision_config", None)
+        if vision is not None:   # a stray placeholder token would not match the request's images
+            ids |= {vision.image_token_id, vision.vision_start_token_id, vision.vision_end_token_id}
+        return ids
 
 
 def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: LeverValues,
@@ -62,7 +68,8 @@ def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: Lev
                  emit=None, prefix_cache: bool = True, threads: int | None = None,
                  fault: ForwardFault | None = None, kv_cache: dict[str, Any] | None = None,
                  ep_size: int = 1, compile: str = "off", compile_warmup: bool = True,
-                 measure_roofline: bool = False, numerics: str = "native") -> EngineSetup:
+                 measure_roofline: bool = False, numerics: str = "native",
+                 image_store: ImageStore | None = None) -> EngineSetup:
     """``fault``: the test-only forward fault hook (``engine/model/fault.py``), recorded in the config.
     ``kv_cache``: ``kv_cache_options`` (format, byte budget, InnerQ windows), recorded in the config.
     ``dtype``: a torch dtype, or a ``--dtype`` choice ('auto' picks by the CPU's flags, cpu_features.py).
@@ -71,6 +78,8 @@ def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: Lev
     every batch bucket up to ``ssm_slots`` rows compiles here, before the run starts, else on first use.
     ``measure_roofline``: time this machine's GEMM rate and read bandwidth once (``serve``), so every tick
     records its forwards' roofline time; the rates go in the config (``roofline_rates``, ``log_roofline``).
+    ``image_store``: where a vision checkpoint's requests find their images by content hash (a run's
+    ``images/``; default: in memory).
     ``numerics``: 'reproducible' builds and steps the engine inside ``engine/model/reproducible.py``'s mode
     (the compiled decode step off: its kernels are per-ISA), recorded in the config as ``numerics``.
     """
@@ -107,7 +116,8 @@ def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: Lev
     rates, roofline_s = _measure_roofline(dtype) if measure_roofline else (None, 0.0)
     scheduler = Scheduler(runner, levers, emit=emit, run_seed=seed, prefix_cache=prefix_cache,
                           detokenize=tokenizer.decode if tokenizer is not None else None, grammars=grammars,
-                          machine_rates=rates, numerics=numerics)
+                          machine_rates=rates, numerics=numerics,
+                          images=RequestImages.for_model(model, directory, image_store))
     engine_config = {"numerics": numerics, "kv_blocks": kv_blocks, "block_size": BLOCK_SIZE, "ssm_slots": ssm_slots,
                      "device": device, "dtype": str(dtype).removeprefix("torch."), "seed": seed,
                      "dtype_choice": dtype_choice, "cpu_model": cpu_model(), "cpu_isa": isa_summary(cpu_flags()),

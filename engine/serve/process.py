@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from engine.multimodal.image_store import IMAGES_DIR, ImageStore
 from engine.distributed import launch, serve_ranks
 from engine.distributed.group import StartMismatch
 from engine.distributed.worker import EXIT_RANK_FAILURE
@@ -65,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
                          levers=base_levers, seed=args.seed, prefix_cache=args.prefix_cache,
                          threads=args.threads, fault=fault, kv_cache=kv_cache_options(args), dtype=args.dtype,
                          ep_size=args.ep, compile=args.compile, measure_roofline=True,
-                         numerics=args.numerics)
+                         numerics=args.numerics, image_store=ImageStore(run_dir / IMAGES_DIR))
     feed = WorkloadFeed.from_args(args, setup)   # a bad workload fails in one line, before any rank starts
     ep_run, start_failure = None, None
     if args.ep > 1:
@@ -202,6 +203,7 @@ def _status_fields(sched, writer, telemetry_error: str | None, state: str, stall
     return {
         **stall.status_fields(sched),
         "state": state, "run_id": writer.run_id if writer is not None else None, "tick": sched.tick,
+        "run_t_ns": sched.now_ns(),   # the run's clock: the Live timeline ends an open stall here
         "num_waiting": len(sched.waiting), "num_active": len(sched.active),
         "num_prefilling": int(sched.prefilling is not None), "num_done": sched.num_done,
         "num_preemptions": sched.num_preemptions,

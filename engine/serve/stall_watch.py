@@ -46,11 +46,11 @@ class StallWatch:
         if text is not None:
             self.num_stalls += 1
             log.warning("no progress possible at tick %d (%d waiting): %s", sched.tick, len(sched.waiting), text)
-            sched.emit(ev.GenericEvent(tick=sched.tick, t_ns=sched.now_ns(), kind="stalled", request_id=head,
+            sched.emit(ev.GenericEvent(tick=sched.tick, t_ns=sched.now_ns(), kind=ev.EVENT_STALLED, request_id=head,
                                        detail={"blocker": text, "num_waiting": len(sched.waiting)}))
         else:
             log.info("progress again at tick %d (was: %s)", sched.tick, self.blocker)
-            sched.emit(ev.GenericEvent(tick=sched.tick, t_ns=sched.now_ns(), kind="stall_cleared",
+            sched.emit(ev.GenericEvent(tick=sched.tick, t_ns=sched.now_ns(), kind=ev.EVENT_STALL_CLEARED,
                                        request_id=head, detail={"blocker": self.blocker}))
         self.blocker = text
 

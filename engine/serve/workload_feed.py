@@ -4,12 +4,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from engine.workload.images import with_images
 from engine.workload.multiturn import MultiTurnWorkload
 from engine.workload.request import RequestSpec, WorkloadError
 from engine.workload.synthetic import SyntheticWorkload
 from engine.workload.trace import TraceWorkload
 
 EPOCH_REQUESTS = 256  # an endless synthetic workload is drawn in seeded epochs of this size
+DEFAULT_IMAGE_SHARE = 0.5  # of workload requests with an image, on a checkpoint with a vision tower
 
 
 class WorkloadFeed:
@@ -29,11 +31,14 @@ class WorkloadFeed:
         if kind == "chat":  # the model's own template and tokenizer, no drawn token ids
             return _chat_feed(args, setup, limit)
         common = {"vocab_size": setup.config.vocab_size, "excluded_ids": setup.special_ids}
+        share = image_share(args, setup)
         if kind == "synthetic":
             if limit is None:
-                return cls(_endless_synthetic(args, common), {"kind": "synthetic", "rate": args.rate,
-                                                              "seed": args.seed, "endless": True,
-                                                              "grammar_share": getattr(args, "grammar_share", 0.0)})
+                specs = _endless_synthetic(args, common)
+                if share:
+                    specs = with_images(specs, setup.scheduler.images, share, args.seed)
+                return cls(specs, {"kind": "synthetic", "rate": args.rate, "seed": args.seed, "endless": True,
+                                   "grammar_share": getattr(args, "grammar_share", 0.0), "image_share": share})
             workload = SyntheticWorkload(num_requests=limit, rate=args.rate, seed=args.seed,
                                          grammar_share=getattr(args, "grammar_share", 0.0), **common)
         elif kind == "multiturn":
@@ -53,7 +58,11 @@ class WorkloadFeed:
         specs = list(workload)
         if limit is not None:
             specs = specs[:limit]
-        return cls(iter(specs), workload.describe())
+        description = workload.describe()
+        if share and kind != "bundle":   # a bundle's requests carry their own images
+            specs = list(with_images(specs, setup.scheduler.images, share, args.seed))
+            description["image_share"] = share
+        return cls(iter(specs), description)
 
     def describe(self) -> dict[str, Any]:
         return dict(self._description)
@@ -75,11 +84,24 @@ class WorkloadFeed:
             yield spec
 
 
+def image_share(args: Any, setup: Any) -> float:
+    """``--image-share``: the share of workload requests with an image (default: half on a checkpoint with
+    a vision tower, none otherwise); a share on a text-only model is a one-line error."""
+    share = getattr(args, "image_share", None)
+    has_tower = getattr(getattr(setup, "scheduler", None), "images", None) is not None
+    if share is None:
+        return DEFAULT_IMAGE_SHARE if has_tower else 0.0
+    if share and not has_tower:
+        raise WorkloadError(f"--image-share {share}: the model has no vision tower")
+    return share
+
+
 def _endless_synthetic(args: Any, common: dict[str, Any]) -> Iterator[RequestSpec]:
     """Epoch after epoch of a seeded synthetic workload, shifted in time and request id."""
     return _endless(lambda epoch: SyntheticWorkload(
         num_requests=EPOCH_REQUESTS, rate=args.rate, seed=args.seed * 7919 + epoch,
         grammar_share=getattr(args, "grammar_share", 0.0), **common).requests(), args.rate)
+
 
 def _chat_feed(args: Any, setup: Any, limit: int | None) -> "WorkloadFeed":
     """The chat workload in the model's own template: ``limit`` requests, or endless epochs."""

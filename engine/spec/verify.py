@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.multimodal.chunk_inputs import shift_past_prompt
 from engine.cache.pools import CachePools
 from engine.cache.ssm_pool import SSMSnapshot
 from engine.model.batch import build_batch
@@ -53,6 +54,7 @@ def verify_forward(runner: ModelRunner, seq: SequenceState, tokens: list[int], *
     pools.blocks.allocate(seq, len(tokens))  # KVCacheExhausted leaves the table as it was
     batch = build_batch((tokens, start, seq.block_table, seq.ssm_slot), [], runner.kv_block_size, runner.device)
     batch.ssm_row_states = row_states = SSMRowStates()  # read by every GatedDeltaNet layer
+    shift_past_prompt(batch, seq)   # a prompt with images: M-RoPE positions
     out = runner.model(batch, pools.kv_store, pools.ssm, return_hidden=want_hidden)
     logits, hidden = out if want_hidden else (out, None)
     runner.note_forward(len(tokens), start, [], int(logits.shape[0]))

@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
-from engine.scheduler.request_features import RequestFeatures
+from engine.scheduler.request_features import SOURCE_REPLAY, RequestFeatures
 from engine.workload.request import SAMPLING_KEYS, RequestSpec, WorkloadError, length_summary
 
 REQUIRED_FIELDS = ("request_id", "arrival_s", "prompt_tokens", "sampling")
@@ -108,10 +108,11 @@ class BundleWorkload:
         return iter(self.requests())
 
     def requests(self) -> list[RequestSpec]:
-        # Fresh copies: a consumer that mutates a spec cannot change the next replay.
+        # Fresh copies: a consumer that mutates a spec cannot change the next replay. Served again,
+        # each request's source is "replay" (the Requests page filters by it); the rest is as recorded.
         return [RequestSpec(s.request_id, s.arrival_s, list(s.prompt_tokens), dict(s.sampling),
                             s.conversation_id, s.turn, s.arrival_tick,
-                            dict(s.features) if s.features else None,
+                            {**(s.features or {}), "source": SOURCE_REPLAY},
                             dict(s.grammar) if s.grammar is not None else None) for s in self._specs]
 
     def describe(self) -> dict[str, Any]:

@@ -108,7 +108,7 @@ def test_a_click_on_a_forward_opens_its_request(browser_on_real_run, real_run_di
         params = parse_qs(urlparse(page.url).query)
         assert params["request"] == [str(point["request"])]
         assert params["run"] == [str(real_run_dir.one("SELECT MAX(run_id) FROM runs"))]
-        search = page.get_by_label("search request ids")
+        search = page.get_by_role("textbox", name="search request ids", exact=True)
         holds_id = lambda: search.input_value(timeout=2_000) == str(point["request"])
         try:
             _wait_for(holds_id, 30, "the search box to hold the id")
@@ -121,7 +121,7 @@ def test_a_click_on_a_forward_opens_its_request(browser_on_real_run, real_run_di
             page.goto(page.url)
             _wait_for(holds_id, 60, f"the search box to hold the id after reloading {page.url} "
                                     f"(the page showed: {shown!r})")
-        page.get_by_text(re.compile(r"^1 requests shown")).first.wait_for(timeout=20_000)
+        page.get_by_text(re.compile(r"^1 request shown")).first.wait_for(timeout=20_000)
         assert page.locator('[data-testid="stException"]').count() == 0
     finally:
         page.close()

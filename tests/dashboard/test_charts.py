@@ -40,12 +40,14 @@ def test_timeline_bars_one_trace_per_path_with_hover_detail():
     assert sorted(t["name"] for t in bars) == ["decode forward", "mixed forward", "prefill forward"]
     mixed = next(t for t in bars if t["name"] == "mixed forward")
     assert mixed["orientation"] == "h" and len(mixed["x"]) == 3
-    assert mixed["base"][:2] == [0.0, 6.0]
+    assert mixed["base"][:2] == [0.0, 0.006]                                  # seconds since run start
     assert mixed["customdata"][0][0] == 0 and mixed["customdata"][0][3] == 7  # tick, request
     assert set(mixed["y"]) == {LANE_Y["scheduler"]}
     assert "decode width" in mixed["hovertemplate"]
     assert spec["layout"]["uirevision"] == TIMELINE_UIREVISION
-    assert spec["layout"]["xaxis"]["range"] == [0, 20]
+    assert spec["layout"]["xaxis"]["range"] == [0, 0.02]
+    assert spec["layout"]["xaxis"]["title"]["text"] == "s since run start"
+    assert mixed["customdata"][0][6] == 1.5 and "%{customdata[6]:.3f} ms" in mixed["hovertemplate"]   # ms
 
 
 def test_timeline_switches_to_webgl_segments_past_threshold():
@@ -55,7 +57,7 @@ def test_timeline_switches_to_webgl_segments_past_threshold():
     decode = next(t for t in spec["data"] if t["name"] == "decode forward")
     # each interval is start, end, gap
     assert len(decode["x"]) == 3 * ((WEBGL_THRESHOLD + 3) // 3)
-    assert decode["x"][2] is None and decode["x"][1] - decode["x"][0] == 1.5
+    assert decode["x"][2] is None and decode["x"][1] - decode["x"][0] == pytest.approx(0.0015)
 
 
 def test_timeline_draws_bucketed_rows_as_segments():
@@ -63,7 +65,7 @@ def test_timeline_draws_bucketed_rows_as_segments():
                             "num_ticks": [40, 38], "num_tokens": [160, 150]})
     spec = _spec(timeline_figure(buckets, NO_STREAMS, NO_LINKS, NO_PREEMPT, NO_LEVERS))
     (trace,) = spec["data"]
-    assert trace["type"] == "scattergl" and trace["x"] == [0.0, 9.0, None, 10.0, 19.0, None]
+    assert trace["type"] == "scattergl" and trace["x"] == [0.0, 0.009, None, 0.01, 0.019, None]
     assert trace["customdata"][0] == [40, 160] and trace["y"][:3] == [LANE_Y["scheduler"]] * 2 + [None]
 
 
@@ -84,9 +86,10 @@ def test_timeline_streams_links_and_markers():
     assert by_name["stream record"]["y"] == [LANE_Y["prefill"]]
     assert by_name["stream wait"]["marker"]["symbol"] == "square"
     assert by_name["stream wait"]["y"] == [LANE_Y["default"]]   # drawn on the stream made to wait
-    assert by_name["record → wait"]["x"] == [1.0, 2.0, None]
+    assert by_name["record → wait"]["x"] == [0.001, 0.002, None]
     assert by_name["record → wait"]["y"] == [LANE_Y["prefill"], LANE_Y["default"], None]
-    assert by_name["GPU-timed interval"]["base"] == [pytest.approx(0.2)] and by_name["GPU-timed interval"]["x"] == [0.8]
+    assert by_name["GPU-timed interval"]["base"] == [pytest.approx(0.0002)]
+    assert by_name["GPU-timed interval"]["x"] == [pytest.approx(0.0008)]
     assert by_name["preemption"]["y"] == [LANE_Y["events"]] and by_name["preemption"]["customdata"][0][1] == 3
     assert by_name["lever change"]["text"] == ["bisect_no_mix: False → True (applied at tick 2)"]
     assert spec["layout"]["yaxis"]["ticktext"][LANE_Y.__len__() - 1 - int(LANE_Y["scheduler"])] == "scheduler"
@@ -102,7 +105,7 @@ def test_timeline_labels_lever_lines_fixes_marker_colours_and_states_a_cap():
                            "old": ["false", "256"], "new": ["true", "-5"], "status": ["applied", "rejected"]})
     spec = _spec(timeline_figure(forwards, streams, NO_LINKS, NO_PREEMPT, levers, stream_events_cap=1500))
     lines = [s for s in spec["layout"].get("shapes", []) if s["type"] == "line"]
-    assert [line["x0"] for line in lines] == [2.7]                  # applied changes only
+    assert [line["x0"] for line in lines] == [pytest.approx(0.0027)]   # applied changes only
     texts = [a["text"] for a in spec["layout"]["annotations"]]
     assert "bisect_no_mix=true" in texts
     assert any("only the newest 1,500" in t for t in texts)
@@ -171,7 +174,7 @@ def test_timeline_roofline_lane_colours_each_forward_by_its_share():
     # log10 of each share (the forward without a roofline is left out); the hover says the share itself
     assert lane["marker"]["color"] == pytest.approx(np.log10([0.1, 0.5, 0.9, 0.25, 0.75]).tolist())
     assert lane["text"] == ["10.0%", "50.0%", "90.0%", "25.0%", "75.0%"]
-    assert lane["x"][0] == 0.75 and set(lane["y"]) == {LANE_Y["roofline"]}   # mid-forward, in its own lane
+    assert lane["x"][0] == 0.00075 and set(lane["y"]) == {LANE_Y["roofline"]}   # mid-forward, in its own lane
     assert lane["marker"]["cmin"] == -2 and lane["marker"]["cmax"] == 0
     assert lane["marker"]["colorbar"]["ticktext"] == ["1%", "3%", "10%", "30%", "100%"]
     assert "roofline" in spec["layout"]["yaxis"]["ticktext"]
@@ -223,3 +226,18 @@ def test_the_live_pages_unvalidated_timeline_json_is_the_validated_figure(real_r
     assert fast["layout"] == validated["layout"]
     assert any(t["name"] == "roofline share" for t in fast["data"])
     assert [s["type"] for s in fast["layout"]["shapes"]] == ["line"] * len(fast["layout"]["shapes"]) != []
+
+
+def test_a_blocked_spell_is_a_bar_and_a_band_with_its_length_and_blocker():
+    """Ticks stop while the engine is blocked: the spell is drawn on the events lane and behind every
+    lane (issue 29, item 4), in seconds like the rest of the axis."""
+    stalls = pd.DataFrame({"start_ms": [4.0, 5000.0], "end_ms": [2004.0, 70000.0],
+                           "blocker": ["head request 3 needs 9 KV blocks, cap is 8", "x"], "is_open": [False, True]})
+    spec = _spec(timeline_figure(_forwards(3), NO_STREAMS, NO_LINKS, NO_PREEMPT, NO_LEVERS, stalls=stalls))
+    bar = next(t for t in spec["data"] if t["name"].startswith("blocked"))
+    assert bar["base"] == [0.004, 5.0] and bar["x"] == [2.0, 65.0] and set(bar["y"]) == {LANE_Y["events"]}
+    assert bar["text"] == ["blocked 2.0 s: head request 3 needs 9 KV blocks, cap is 8",
+                           "blocked 65.0 s (still blocked): x"]
+    bands = [s for s in spec["layout"]["shapes"] if s["type"] == "rect"]
+    assert [(b["x0"], b["x1"]) for b in bands] == [(0.004, 2.004), (5.0, 70.0)]
+    assert {a["text"] for a in spec["layout"]["annotations"]} >= set(bar["text"])

@@ -191,3 +191,22 @@ def test_run_totals_are_the_stored_sums_or_the_same_numbers_from_the_rows(tmp_pa
     conn.close()
     assert run_totals_of(db, run_id) == stored
     assert run_totals_of(db, run_id + 1) == run_totals.zeros(), "an unknown run: zero totals, never an error"
+
+
+def test_the_encoder_lane_draws_runs_back_to_back_per_tick_and_hits_as_markers():
+    from dashboard.figures.encoder_lane import empty_encoder_events, encoder_lane_traces
+    from dashboard.figures.timeline import timeline_dict
+
+    events = pd.DataFrame({"tick": [3, 3, 3, 5], "start_ms": [10.0, 10.0, 10.0, 30.0],
+                           "kind": ["encoder_run", "encoder_run", "encoder_hit", "encoder_hit"],
+                           "request_id": [1, 1, 1, 2], "tokens": [18, 64, 18, 64], "encoder_ms": [2.0, 5.0, 0.0, 0.0]})
+    runs, hits = encoder_lane_traces(events, y=-1.0)
+    assert runs["base"].tolist() == [10.0, 12.0] and runs["x"].tolist() == [2.0, 5.0]
+    assert hits["x"].tolist() == [10.0, 30.0] and set(hits["y"].tolist()) == {-1.0}
+    assert encoder_lane_traces(empty_encoder_events(), 0.0) == []
+    empty = pd.DataFrame(columns=["start_ms", "dur_ms", "tick", "path", "num_prefill_tokens", "num_decode_tokens"])
+    frames = [pd.DataFrame(columns=c) for c in (["t_ms", "kind", "stream", "event_name", "seq", "tick",
+                                                 "target_stream", "gpu_elapsed_ms"], ["x0"], ["t_ms"], ["t_ms"])]
+    figure = timeline_dict(empty, *frames, encoder=events)
+    assert figure["layout"]["yaxis"]["ticktext"][-1] == "encoder"
+    assert {"encoder run", "encoder cache hit"} <= {t.get("name") for t in figure["data"]}

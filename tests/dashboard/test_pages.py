@@ -68,7 +68,12 @@ def test_chunks_filters_counts_and_charts(app, run_fixture):
     at.text_input(key="chunks_request").set_value(str(rid)).run()
     assert f"**{sum(c.request_id == rid for c in chunks)} chunk decisions**" in texts(at)
     at.text_input(key="chunks_request").set_value("x1").run()
-    assert "is not a number" in at.error[0].value
+    assert "is not an id" in at.error[0].value
+    # the Requests search's grammar on Chunks too: lists and ranges (issue 29, item 10)
+    ids = sorted({c.request_id for c in chunks})
+    at.text_input(key="chunks_request").set_value(f"{ids[0]}-{ids[1]}, {ids[-1]}").run()
+    wanted = sum(c.request_id in (ids[0], ids[1], ids[-1]) or ids[0] <= c.request_id <= ids[1] for c in chunks)
+    assert f"**{wanted} chunk decisions**" in texts(at)
 
 
 def test_requests_waterfall_search_and_errors(app, run_fixture):

@@ -4,6 +4,7 @@ import pytest
 
 from dashboard.queries import live as queries_live
 from dashboard.lifecycle import request_phases
+from dashboard.queries.ids import IdSelection
 from dashboard.queries.requests import BadSearch, parse_search
 
 
@@ -76,7 +77,8 @@ def test_phases_fall_back_to_row_and_close_in_flight():
     assert phases.iloc[-1]["end_ms"] == 12.0
 
 
-@pytest.mark.parametrize("text,expected", [("", None), ("12", [12]), ("3, 7", [3, 7]), ("10-20", (10, 20))])
+@pytest.mark.parametrize("text,expected", [("", None), ("12", IdSelection((12,))), ("3, 7", IdSelection((3, 7))),
+                                           ("10-20", IdSelection((), ((10, 20),)))])
 def test_parse_search(text, expected):
     assert parse_search(text) == expected
 

@@ -26,7 +26,10 @@ def test_banner_decisions():
     assert ended.level == "warning" and "incomplete" in ended.message
     stale = banner_for({**SERVING, "is_stale": True, "updated_at": time.time() - 30}, True)
     assert stale.level == "warning" and "heartbeat" in stale.message and "tick 77" in stale.message
-    assert banner_for({**SERVING, "is_stale": True}, False) is None      # a dead engine is not "stuck"
+    # a dead engine is not "stuck": it crashed (its heartbeat still says serving)
+    crashed = banner_for({**SERVING, "is_stale": True, "run_id": 3}, False)
+    assert crashed.level == "error" and crashed.message.startswith("Engine crashed: run 3 (pid 4242) died at tick 77")
+    assert banner_for({**SERVING, "state": "finished"}, False) is None
 
 
 def test_pid_alive_checks():

@@ -6,10 +6,12 @@ from pathlib import Path
 import pytest
 
 from dashboard.paths import ENV_RUN_DIR
-from dashboard.queries.requests import MAX_REQUEST_ID, BadSearch, parse_request_id, parse_search
+from dashboard.queries.ids import MAX_ECHO, MAX_REQUEST_ID, BadSearch, IdSelection, parse_ids, parse_request_id
+from dashboard.queries.requests import parse_search
 
 APP = str(Path(__file__).resolve().parents[2] / "dashboard" / "app.py")
-BAD_SEARCHES = ["99999999999999999999999", "1-99999999999999999999999", "²", "1-²", "3, ²", str(2**63)]
+BAD_SEARCHES = ["99999999999999999999999", "1-99999999999999999999999", "²", "1-²", "3, ²", str(2**63),
+                "9" * 5000, "1-" + "9" * 5000, "٣٢", "３２", "1_000", "chatcmpl-0a1b"]
 
 
 @pytest.mark.parametrize("text", BAD_SEARCHES)
@@ -19,9 +21,31 @@ def test_parse_search_rejects_what_sqlite_cannot_take(text):
 
 
 def test_parse_search_keeps_the_good_forms():
-    assert parse_search(" 12 ") == [12] and parse_search("3, 7") == [3, 7] and parse_search("10-20") == (10, 20)
-    assert parse_search(str(MAX_REQUEST_ID)) == [MAX_REQUEST_ID]
+    assert parse_search(" 12 ") == IdSelection((12,)) and parse_search("3, 7") == IdSelection((3, 7))
+    assert parse_search("10-20") == parse_search("10 - 20") == IdSelection((), ((10, 20),))
+    assert parse_search("3 10-20, 7") == IdSelection((3, 7), ((10, 20),))
+    assert parse_search(str(MAX_REQUEST_ID)) == IdSelection((MAX_REQUEST_ID,))
+    assert parse_search("0" * 30 + "12") == IdSelection((12,))      # leading zeros do not count as size
     assert parse_request_id("0") == 0
+
+
+def test_an_api_id_is_read_as_its_engine_request_id():
+    """The OpenAI-compatible API's id ends in the engine's request id (engine/api/choices.py)."""
+    assert parse_request_id("chatcmpl-099a4c1e2b-17") == 17 and parse_request_id("cmpl-5f3e-0") == 0
+    assert parse_ids("chatcmpl-099a4c1e2b-17, 3") == IdSelection((17, 3))
+    with pytest.raises(BadSearch, match="carries no engine request id"):
+        parse_request_id("chatcmpl-099a4c1e2b")
+
+
+@pytest.mark.parametrize("digits", [19, 20, 4300, 4301, 5000, 100_000])
+def test_any_length_of_digits_is_a_short_message(digits):
+    """int() refuses more than 4,300 digits with a ValueError that used to reach the page; the
+    message quotes at most MAX_ECHO characters of what was typed."""
+    with pytest.raises(BadSearch, match="too large") as caught:
+        parse_ids("9" * digits)
+    assert len(str(caught.value)) < MAX_ECHO + 200
+    where, params = parse_ids("1-" + "9" * 18).where()
+    assert where == "(request_id BETWEEN ? AND ?)" and params == [1, int("9" * 18)]
 
 
 @pytest.mark.parametrize("text", BAD_SEARCHES)

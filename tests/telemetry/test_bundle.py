@@ -12,7 +12,7 @@ import pytest
 from telemetry import events as ev
 from telemetry.__main__ import main as telemetry_main
 from telemetry.bundle import BUNDLE_MEMBERS, BundleError, open_bundle
-from telemetry.bundle_export import export_bundle
+from telemetry.bundle_export import EXPORT_STEPS, export_bundle
 
 from bundle_store import MS, OUTSIDE_PATH, build_store
 from trace_validator import validate_trace
@@ -124,7 +124,9 @@ def test_trace_and_summary_cover_the_run(bundle):
 
 
 def test_time_window_shrinks_the_bundle(run_dir):
-    full = export_bundle(run_dir / "telemetry.db", run_dir / "full.zip", run_id=2)
+    steps = []     # each step reported as it starts (the Runs page's bar, the CLI's tqdm)
+    full = export_bundle(run_dir / "telemetry.db", run_dir / "full.zip", run_id=2, progress=steps.append)
+    assert tuple(steps) == EXPORT_STEPS
     part = export_bundle(run_dir / "telemetry.db", run_dir / "part.zip", run_id=2, since_s=0.1, until_s=0.2)
     assert part.num_bytes < full.num_bytes
     time_range = part.manifest["time_range"]

@@ -158,3 +158,17 @@ def test_any_bytes_give_a_result_or_one_line_levers_error(raw):
         return
     LeverValues().replace(**values)  # whatever validates must also apply
     assert isinstance(version, int)
+
+
+@pytest.mark.parametrize("text", ["٣٢", "３２", "1_000", "1,000", "²"])
+def test_an_int_lever_takes_ascii_digits_only(text):
+    """int() reads Arabic-Indic and fullwidth digits and underscores; a lever value must not."""
+    with pytest.raises(LeversError, match="ASCII digits 0-9 only"):
+        lv.LEVERS_BY_NAME["slice_budget"].parse_text(text)
+
+
+@pytest.mark.parametrize("digits", [20, 4301, 5000])
+def test_an_int_lever_of_any_length_is_out_of_range_not_a_traceback(digits):
+    with pytest.raises(LeversError, match="outside"):
+        lv.LEVERS_BY_NAME["slice_budget"].parse_text("9" * digits)
+    assert lv.LEVERS_BY_NAME["slice_budget"].parse_text(" +32 ") == 32

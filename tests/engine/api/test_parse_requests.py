@@ -162,3 +162,26 @@ def test_every_refused_field_passes_its_off_values_and_refuses_the_rest():
 def test_logit_bias_pairs_are_sorted_by_token():
     assert logit_bias_pairs(info(), None) == []
     assert logit_bias_pairs(info(), {"10": 1, "2": -3.5}) == [[2, -3.5], [10, 1.0]]
+
+
+def test_an_image_for_a_text_only_model_is_a_400_and_the_image_bytes_ride_with_the_request():
+    import base64
+
+    from engine.model.tokenizer import IMAGE_PAD, VISION_END, VISION_START, VISION_TOKENS
+    from engine.multimodal.limits import ImageLimits, ImagePolicy, ImageSettings, content_hash
+    from tests.engine.model.vision_checkpoints import png_bytes
+
+    data = png_bytes(20, 40, 0)
+    part = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(data).decode()}}
+    messages = [{"role": "user", "content": [part, {"type": "text", "text": "what is it?"}]}]
+    refused(lambda: chat(messages=messages), "messages", "this model takes no images")
+    tokenizer = Tokenizer(build_byte_tokenizer(VISION_TOKENS))
+    policy = ImagePolicy(ImageSettings(8, 2, 2, min_pixels=256, max_pixels=4096), ImageLimits(), VISION_START,
+                         IMAGE_PAD, VISION_END, pad_id=tokenizer.token_id(IMAGE_PAD))
+    vision = info(tokenizer=tokenizer, vocab_size=tokenizer.vocab_size, max_context=256, num_kv_blocks=64,
+                  images=policy)
+    (request,) = chat(vision, messages=messages)
+    assert request.images == (data,) and request.features.images == (content_hash(data),)
+    assert request.prompt_tokens.count(policy.pad_id) == 2   # resized to 16 x 32 pixels: 1 x 2 rows of 16 px
+    own = [{"role": "user", "content": [part, {"type": "text", "text": IMAGE_PAD}]}]
+    refused(lambda: chat(vision, messages=own), "messages", "placeholder tokens of its own")

@@ -133,3 +133,47 @@ def test_serving_ep2_matches_ep1_with_prefix_snapshots_and_speculation(tmp_path)
     kinds = "SELECT kind, count(*) FROM events WHERE kind IN ('snapshot_restored', 'spec_step') GROUP BY kind"
     assert dict(conns["2"].execute(kinds).fetchall()).keys() == {"snapshot_restored", "spec_step"}
     assert tokens_by_request(tmp_path / "ep2" / "telemetry.db") == tokens_by_request(tmp_path / "ep1" / "telemetry.db")
+
+
+def test_generate_ep2_matches_ep1_with_images(tmp_path):
+    """A Qwen3.5-MoE checkpoint with a vision tower: rank 0 runs the tower, the image rows reach rank 1
+    after each chunk's broadcast (``vision_sync.py``), and the tokens equal one rank's."""
+    pytest.importorskip("transformers")
+    from tests.engine.model.vision_checkpoints import build_vl_checkpoint, png_bytes
+
+    _, directory = build_vl_checkpoint("vl_moe", lambda name: tmp_path / name)
+    images = []
+    for i, size in enumerate([(40, 56), (24, 33)]):
+        images += ["--image", str(tmp_path / f"{i}.png")]
+        (tmp_path / f"{i}.png").write_bytes(png_bytes(*size, i))
+    command = ["generate", "--model", str(directory), "--prompt-ids", "1,2,3,4,5", *images, "--max-tokens", "12",
+               "--ignore-eos", "--json", "--threads", "1"]
+    results = {}
+    for ep in ("1", "2"):
+        done = engine(*command, "--ep", ep)
+        assert done.returncode == 0, done.stderr[-3000:]
+        results[ep] = json.loads(done.stdout)["tokens"]
+    assert len(results["1"]) == 12 and results["2"] == results["1"]
+
+
+def test_serving_ep2_matches_ep1_with_workload_images_and_the_sync_on_chunk_rows(tmp_path):
+    """The synthetic workload puts an image in front of half the prompts (the default on a vision
+    checkpoint); chunks of 16 split them; every chunk that covered image rows records its sync."""
+    pytest.importorskip("transformers")
+    from tests.engine.model.vision_checkpoints import build_vl_checkpoint
+
+    _, directory = build_vl_checkpoint("vl_moe", lambda name: tmp_path / name)
+    dbs = {}
+    for ep in ("1", "2"):
+        run_dir = tmp_path / f"ep{ep}"
+        done = engine("serve", "--model", str(directory), "--run-dir", str(run_dir), "--requests", "6", "--rate",
+                      "100000", "--seed", "5", "--kv-blocks", "48", "--ep", ep, CHUNKSCOPE_MAX_PREFILL_TOKENS="16")
+        assert done.returncode == 0, done.stderr[-3000:]
+        dbs[ep] = run_dir / "telemetry.db"
+    assert tokens_by_request(dbs["2"]) == tokens_by_request(dbs["1"])
+    two = sqlite3.connect(f"file:{dbs['2']}?mode=ro", uri=True)
+    assert two.execute("SELECT count(*) FROM requests WHERE num_images = 1").fetchone()[0] >= 2
+    spans = two.execute("SELECT image_spans, ep_vision_sync_ns FROM chunks WHERE outcome = 'ok'").fetchall()
+    with_images = [sync for span, sync in spans if span]
+    assert len(with_images) >= 4 and all(sync is not None and sync > 0 for sync in with_images)
+    assert all(sync is None for span, sync in spans if not span)

@@ -177,6 +177,12 @@ def test_json_cli_reports_the_contract(served, capsys):
     status, out, _ = run_cli(capsys, str(served.bundle))
     assert status == 0 and "decisions: identical" in out and "first divergence: none" in out
     assert f"levers applied at tick {served.change['tick']}: max_prefill_tokens=32" in out
+    stall = report["stall"]      # every recorded change replayed; blocked time and TTFT p99 side by side
+    assert stall["lever_changes"]["recorded"] == stall["lever_changes"]["replayed"] >= 1
+    assert stall["blocked_s"]["recorded"] == 0 and stall["ttft_p99_ms"]["recorded"] > 0
+    assert stall["ttft_p99_ms"]["replayed"] > 0 and stall["lines"][-1].startswith("TTFT p99: ")
+    n = stall["lever_changes"]["recorded"]
+    assert f"lever changes: {n} recorded, {n} replayed" in out and "blocked: never in the recording" in out
 
 
 @pytest.mark.parametrize("flip, value", [("bisect_no_mix", True), ("kv_blocks_cap", 12)])

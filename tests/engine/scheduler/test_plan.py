@@ -38,7 +38,8 @@ def decoding(request_id: int, slot: int | None, drafts: int = 0):
 
 def prefilling(prompt_len: int, offset: int, features: RequestFeatures = RequestFeatures()):
     return SimpleNamespace(request_id=99, prompt_len=prompt_len, chunk_offset=offset,
-                           prompt_tokens=list(range(prompt_len)), features=features)
+                           prompt_tokens=list(range(prompt_len)), features=features,
+                           seq=SimpleNamespace(images=None))   # a text prompt (image caps: test_vision_scheduling.py)
 
 
 def queues_of(active, prefill) -> Queues:

@@ -149,6 +149,26 @@ def test_lever_timeline_applies_each_ticks_changes_together_and_flips_win():
                             {"tick": 3, "changes": {"max_prefill_tokens": 64}}]
 
 
+def test_applies_at_one_tick_are_replayed_one_by_one_never_netted_out():
+    """While the engine was blocked its tick stood still: cap 8 (file v1), a flip (v2), the cap lifted
+    (v3), all at tick 1. Merged into one apply the cap nets out and the stall vanishes (issue 29)."""
+    sched = FakeScheduler(work=10)
+    changes = [SimpleNamespace(tick=1, name="kv_blocks_cap", new=8, file_version=1, source="file"),
+               SimpleNamespace(tick=1, name="bisect_no_mix", new=True, file_version=2, source="file"),
+               SimpleNamespace(tick=1, name="max_prefill_tokens", new=64, file_version=2, source="file"),
+               SimpleNamespace(tick=1, name="kv_blocks_cap", new=0, file_version=3, source="file"),
+               SimpleNamespace(tick=1, name="kv_blocks_cap", new=4, file_version=None, source="dashboard"),
+               SimpleNamespace(tick=1, name="kv_blocks_cap", new=0, file_version=None, source="dashboard")]
+    timeline = LeverTimeline(changes, {})
+    driver = TickDriver(sched, [timeline])
+    driver.tick()
+    driver.tick()
+    assert [e["changes"] for e in timeline.log] == [{"kv_blocks_cap": 8}, {"bisect_no_mix": True,
+                                                    "max_prefill_tokens": 64}, {"kv_blocks_cap": 0},
+                                                    {"kv_blocks_cap": 4}, {"kv_blocks_cap": 0}]
+    assert sum(len(e["changes"]) for e in timeline.log) == len(changes) and timeline.blocked == []
+
+
 def test_tick_cancels_come_at_their_tick():
     sched = FakeScheduler(work=5)
     driver = TickDriver(sched, [TickCancels([(2, 7), (2, 8), (4, 9)], "client disconnected")])

@@ -25,7 +25,10 @@ def test_round_trip_of_a_generated_workload(tmp_path):
     path = tmp_path / "workload.jsonl"
     write_workload_jsonl(specs, path)
     assert read_workload_jsonl(path) == specs
-    assert BundleWorkload(tmp_path).requests() == specs  # a bundle directory works too
+    served = BundleWorkload(tmp_path).requests()     # a bundle directory works too
+    assert {s.features["source"] for s in served} == {"replay"}   # served again: the Requests page's source filter
+    unmarked = [{**vars(s), "features": {k: v for k, v in s.features.items() if k != "source"} or None} for s in served]
+    assert unmarked == [{**vars(s), "features": s.features or None} for s in specs]
 
 
 def test_sorted_by_tick_and_top_level_seed_fills_sampling(tmp_path):

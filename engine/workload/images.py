@@ -1,0 +1,35 @@
+"""Attach images to a workload's requests, so a run on a vision checkpoint exercises them.
+
+A seeded share of the requests gets one image in front of its prompt, drawn from a few seeded
+images of the same size (repeats hit the encoder cache; different images of the same size must
+never share a prefix). The image bytes go to the engine's image store, the request names them by
+content hash (``features.images``), as an API request with an image does.
+"""
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Iterator
+
+from engine.multimodal.request_images import RequestImages
+from engine.multimodal.seeded_image import seeded_png
+from engine.workload.request import RequestSpec
+
+NUM_IMAGES = 3           # distinct images a workload draws from
+IMAGE_SIZE = (48, 100)   # pixels (tiny-vl: 3 x 6 = 18 placeholder tokens)
+
+
+def with_images(specs: Iterable[RequestSpec], images: RequestImages, share: float, seed: int) -> Iterator[RequestSpec]:
+    """``specs`` with an image prepended to a seeded ``share`` of them (lazy: endless workloads too)."""
+    rng = random.Random(seed * 1_000_003 + 28)
+    pool = [seeded_png(*IMAGE_SIZE, seed * 31 + i) for i in range(NUM_IMAGES)]
+    placeholders = [images.placeholders(data) for data in pool]   # the store keeps each image once
+    keys = [images.store.put(data) for data in pool]
+    for spec in specs:
+        if rng.random() >= share:
+            yield spec
+            continue
+        pick = rng.randrange(NUM_IMAGES)
+        features = dict(spec.features or {})
+        features["images"] = [keys[pick]]
+        yield RequestSpec(spec.request_id, spec.arrival_s, placeholders[pick] + list(spec.prompt_tokens), spec.sampling,
+                          spec.conversation_id, spec.turn, spec.arrival_tick, features, spec.grammar)
