@@ -44,7 +44,9 @@ start() {
   local api_port=${API_PORT:-8000}
   local run_dir=${RUN_DIR:-runs/default}
   # tiny-chat's tokens are bytes: ngram drafts after a 1- or 2-byte match are mostly rejected (bench/chat_model.py).
-  local engine_cmd=(env "CHUNKSCOPE_NGRAM_MIN_MATCH=${CHUNKSCOPE_NGRAM_MIN_MATCH:-3}" "$VENV/bin/python" -m engine serve --model tiny-chat --run-dir "$run_dir" --workload chat --rate 4
+  # Exported, so an engine the dashboard restarts gets it too.
+  export CHUNKSCOPE_NGRAM_MIN_MATCH=${CHUNKSCOPE_NGRAM_MIN_MATCH:-3}
+  local engine_cmd=("$VENV/bin/python" -m engine serve --model tiny-chat --run-dir "$run_dir" --workload chat --rate 4
                     --api-port "$api_port" --api-host 127.0.0.1)
   local dash_cmd=("$VENV/bin/python" -m streamlit run dashboard/app.py --server.address 127.0.0.1 --server.port "$port" -- --run-dir "$run_dir")
   mkdir -p "$run_dir"
