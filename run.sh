@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Chunkscope entry point.
-#   ./run.sh          set up, then start the engine (tiny model, synthetic load) and the dashboard;
+#   ./run.sh          set up, then start the engine (tiny-chat model, chat load) and the dashboard;
 #                     the dashboard outlives the engine (a crash is read there), Ctrl-C stops both
 #   ./run.sh setup    set up only (.venv + the project and its test extra)
 #   ./run.sh test     set up, then run the test suite (extra args go to pytest)
@@ -11,6 +11,7 @@
 #   API_PORT          the engine's OpenAI-compatible API port (default 8000, bound to 127.0.0.1)
 #   RUN_DIR           run directory with telemetry.db and levers.json (default runs/default)
 #   PYTHON            interpreter used to create .venv (default python3.11, else python3)
+#   CHUNKSCOPE_NGRAM_MIN_MATCH  the ngram_min_match lever for the engine (default 3 here; the lever's own default is 1)
 set -euo pipefail
 cd "$(dirname "$0")"
 ROOT=$(pwd)
@@ -42,7 +43,10 @@ start() {
   local port=${PORT:-8501}
   local api_port=${API_PORT:-8000}
   local run_dir=${RUN_DIR:-runs/default}
-  local engine_cmd=("$VENV/bin/python" -m engine serve --model tiny --run-dir "$run_dir" --workload synthetic --rate 4
+  # tiny-chat's tokens are bytes: ngram drafts after a 1- or 2-byte match are mostly rejected (bench/chat_model.py).
+  # Exported, so an engine the dashboard restarts gets it too.
+  export CHUNKSCOPE_NGRAM_MIN_MATCH=${CHUNKSCOPE_NGRAM_MIN_MATCH:-3}
+  local engine_cmd=("$VENV/bin/python" -m engine serve --model tiny-chat --run-dir "$run_dir" --workload chat --rate 4
                     --api-port "$api_port" --api-host 127.0.0.1)
   local dash_cmd=("$VENV/bin/python" -m streamlit run dashboard/app.py --server.address 127.0.0.1 --server.port "$port" -- --run-dir "$run_dir")
   mkdir -p "$run_dir"

@@ -20,8 +20,8 @@ from pathlib import Path
 from dashboard.paths import PathOutsideRunDir, RunPaths, inside_run_dir
 from telemetry.procs import is_zombie
 
-BUILTIN_MODELS = ("tiny",)
-WORKLOADS = ("synthetic", "multiturn")
+BUILTIN_MODELS = ("tiny", "tiny-chat")
+WORKLOADS = ("synthetic", "chat", "multiturn")
 MAX_RATE = 1000.0
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

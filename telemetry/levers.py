@@ -63,6 +63,12 @@ LEVERS: tuple[Lever, ...] = (
           "1..k+1 tokens. More pays only while acceptance stays high. Watch: acceptance rate, "
           "tokens per verify step, tokens/s.",
           bounds=(1, 8)),
+    Lever("ngram_min_match", int, 1,
+          "Shortest suffix (in tokens) the ngram drafter matches: prompt lookup tries the last 3 "
+          "tokens, then 2, down to this. 1 drafts after any one-token match; on a byte-level "
+          "model (tiny, tiny-chat) such matches are mostly noise and 3 keeps only the drafts "
+          "likely to be accepted (./run.sh sets 3). Watch: ngram acceptance, tokens per step.",
+          bounds=(1, 3)),
     Lever("self_draft_layers", int, 0,
           "Layers the self-speculative draft runs before its early exit (then the final norm and "
           "LM head); 0 = half the model's layers (tiny: 2 of 4). Clamped to the layers minus one. "
@@ -126,6 +132,7 @@ class LeverValues:
     max_prefill_tokens: int = 256
     speculation: str = "off"
     num_speculative_tokens: int = 2
+    ngram_min_match: int = 1
     self_draft_layers: int = 0
     no_mtp_minp: bool = False
     adaptive_sampling: bool = False

@@ -75,9 +75,9 @@ def test_run_sh_serves_live_engine_and_dashboard_and_stops_both(tmp_path):
         wait_until(lambda: int(run_status(db)[8:]) > int(first[8:]), "ticks still advancing", proc)
         with socket.socket() as probe:  # bound to loopback only
             assert probe.connect_ex(("127.0.0.1", port)) == 0
-        import httpx   # the engine's API answers beside the synthetic workload
+        import httpx   # the engine's API answers beside the chat workload
         reply = httpx.post(f"http://127.0.0.1:{api_port}/v1/completions", timeout=30,
-                           json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+                           json={"model": "tiny-chat", "prompt": "hi", "max_tokens": 2})
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 2
         children = children_of(proc.pid)
         assert len(children) == 2, children

@@ -51,7 +51,7 @@ def start_form(paths: RunPaths, ctx: RunContext | None, crashed: bool) -> None:
         with st.form("engine_start"):
             cols = st.columns(3)
             model = cols[0].text_input("model", value=model,
-                                       help="'tiny' or a checkpoint directory inside the run directory")
+                                       help="'tiny', 'tiny-chat' or a checkpoint directory inside the run directory")
             workload = cols[1].selectbox("workload", engine_control.WORKLOADS,
                                          index=engine_control.WORKLOADS.index(workload))
             rate = cols[2].number_input("rate (requests/s)", min_value=0.1, max_value=engine_control.MAX_RATE,

@@ -19,12 +19,12 @@ MAX_SSM_SLOTS = 4096
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("serve", help="run the engine in the background, writing telemetry")
-    p.add_argument("--model", default="tiny", help="an embedded model (tiny: the default, tiny-moe, tiny-kimi, tiny-vl) or a checkpoint directory")
+    p.add_argument("--model", default="tiny", help="an embedded model (tiny: the default, tiny-moe, tiny-kimi, tiny-vl; tiny-chat: trained, what ./run.sh serves) or a checkpoint directory")
     p.add_argument("--run-dir", required=True, help="directory for telemetry.db and levers.json")
     p.add_argument("--workload", default="synthetic",
-                   help="synthetic | multiturn | trace:PATH | bundle:PATH | none (API traffic only; default synthetic)")
+                   help="synthetic | chat (chat-template requests: thinking, tools, JSON; needs a tokenizer) | multiturn | trace:PATH | bundle:PATH | none (API traffic only; default synthetic)")
     p.add_argument("--rate", type=bounded_float(0.0, 1e6, low_open=True), default=4.0,
-                   help="arrival rate, requests/s (synthetic, multiturn)")
+                   help="arrival rate, requests/s (synthetic, chat, multiturn)")
     p.add_argument("--grammar-share", type=bounded_float(0.0, 1.0), default=0.0,
                    help="synthetic: share of requests constrained by a built-in JSON schema / regex / choice")
     p.add_argument("--image-share", type=bounded_float(0.0, 1.0), default=None,

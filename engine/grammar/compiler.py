@@ -126,10 +126,14 @@ class GrammarCompiler:
         """Compile (or take from the cache) and wait: for callers off the tick loop (an HTTP handler)."""
         return self.submit(spec).result(timeout=timeout_s)
 
-    def new_state(self, compiled: CompiledGrammar) -> GrammarState:
+    def new_state(self, compiled: CompiledGrammar, spec: GrammarSpec | None = None) -> GrammarState:
+        """A request's matcher. ``spec`` is the request's own (default: the compiled one): the cache
+        key leaves ``after_think`` out (the matcher is the same), so a cached compile may come from
+        a request that thought otherwise, and whether the grammar waits for ``</think>`` is this one's."""
         from engine.grammar.matcher import GrammarState
-        return GrammarState(compiled.spec, compiled.template.deep_copy(), self.tokenizer,
-                            start_after=self.think_end_id if compiled.spec.after_think else None)
+        spec = spec or compiled.spec
+        return GrammarState(spec, compiled.template.deep_copy(), self.tokenizer,
+                            start_after=self.think_end_id if spec.after_think else None)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -82,6 +82,8 @@ class GatedDeltaNet(nn.Module):
         self.conv_weight: torch.Tensor | None = None  # [conv_dim, K] view of the conv weight, fuse()
         # bf16 layers: float32 copies of the conv and norm weights for the native (float32) decode step, fuse()
         self.native_weights: tuple[torch.Tensor, torch.Tensor] | None = None
+        # The prefill recurrence; training swaps in the autograd form (engine/train/delta_rule.py).
+        self.prefill_rule = chunked_gated_delta_rule
 
     def fuse(self) -> None:
         """One GEMM for the four input projections (qkv, z, b, a)."""
@@ -127,7 +129,7 @@ class GatedDeltaNet(nn.Module):
                                                         neg_rate, dt_bias, rec_states[slot], row_states)
             else:
                 if capture is None:
-                    out, final = chunked_gated_delta_rule(q, k, v, g_heads, beta_heads, rec_states[slot])
+                    out, final = self.prefill_rule(q, k, v, g_heads, beta_heads, rec_states[slot])
                 else:
                     out, final = self._prefill_with_capture(window, q, k, v, g_heads, beta_heads,
                                                             rec_states[slot], capture)

@@ -67,7 +67,7 @@ def take_compiled(ctx: TickContext, request: Request) -> tuple[bool, str | None]
         return True, str(exc)
     except Exception as exc:   # llguidance raising on a pathological grammar: the request's fault
         return True, f"{request.grammar_spec.kind} grammar: {exc}"
-    request.grammar = ctx.grammars.new_state(compiled)
+    request.grammar = ctx.grammars.new_state(compiled, request.grammar_spec)
     request.grammar_approximations = compiled.approximations
     ctx.emit_request(request, "grammar_ready", f"{compiled.spec.kind}, compiled in {compiled.compile_ns / 1e6:.2f} ms")
     return True, None

@@ -148,7 +148,8 @@ def _budget(ctx: TickContext, pools: CachePools, req: Request) -> int:
 def _propose(ctx: TickContext, runner: ModelRunner, req: Request, budget: int) -> list[int]:
     levers = ctx.levers
     return drafts_source.propose(levers.speculation, runner, req.seq, req.prompt_tokens + req.output_tokens,
-                                 budget, self_layers_lever=levers.self_draft_layers)
+                                 budget, self_layers_lever=levers.self_draft_layers,
+                                 ngram_min_match=levers.ngram_min_match)
 
 
 def accept(ctx: TickContext, req: Request, logits: torch.Tensor, drafts: list[int]) -> list[int]:

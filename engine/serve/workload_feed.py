@@ -25,10 +25,12 @@ class WorkloadFeed:
     @classmethod
     def from_args(cls, args: Any, setup: Any) -> "WorkloadFeed":
         kind, _, path = args.workload.partition(":")
-        common = {"vocab_size": setup.config.vocab_size, "excluded_ids": setup.special_ids}
         limit = args.requests
         if kind == "none":  # API traffic only
             return cls(iter(()), {"kind": "none"})
+        if kind == "chat":  # the model's own template and tokenizer, no drawn token ids
+            return _chat_feed(args, setup, limit)
+        common = {"vocab_size": setup.config.vocab_size, "excluded_ids": setup.special_ids}
         share = image_share(args, setup)
         if kind == "synthetic":
             if limit is None:
@@ -51,7 +53,7 @@ class WorkloadFeed:
             from engine.workload.bundle import BundleWorkload
             workload = BundleWorkload(path)
         else:
-            raise WorkloadError(f"--workload must be synthetic, multiturn, trace:PATH, bundle:PATH or none, "
+            raise WorkloadError(f"--workload must be synthetic, chat, multiturn, trace:PATH, bundle:PATH or none, "
                                 f"got {args.workload!r}")
         specs = list(workload)
         if limit is not None:
@@ -96,13 +98,38 @@ def image_share(args: Any, setup: Any) -> float:
 
 def _endless_synthetic(args: Any, common: dict[str, Any]) -> Iterator[RequestSpec]:
     """Epoch after epoch of a seeded synthetic workload, shifted in time and request id."""
+    return _endless(lambda epoch: SyntheticWorkload(
+        num_requests=EPOCH_REQUESTS, rate=args.rate, seed=args.seed * 7919 + epoch,
+        grammar_share=getattr(args, "grammar_share", 0.0), **common).requests(), args.rate)
+
+
+def _chat_feed(args: Any, setup: Any, limit: int | None) -> "WorkloadFeed":
+    """The chat workload in the model's own template: ``limit`` requests, or endless epochs."""
+    if setup.tokenizer is None:
+        raise WorkloadError(f"--workload chat needs a model with a tokenizer; {setup.model_name} has none")
+    from engine.api.chat_template import ChatTemplate
+    from engine.workload.chat import ChatWorkload
+
+    def epoch(seed: int, num: int) -> ChatWorkload:
+        return ChatWorkload(tokenizer=setup.tokenizer, template=ChatTemplate.for_checkpoint(setup.checkpoint_dir),
+                            num_requests=num, rate=args.rate, seed=seed)
+
+    if limit is not None:
+        workload = epoch(args.seed, limit)
+        return WorkloadFeed(iter(workload.requests()), workload.describe())
+    description = {"kind": "chat", "rate": args.rate, "seed": args.seed, "endless": True}
+    return WorkloadFeed(_endless(lambda n: epoch(args.seed * 7919 + n, EPOCH_REQUESTS).requests(), args.rate),
+                        description)
+
+
+def _endless(epoch_specs, rate: float) -> Iterator[RequestSpec]:
+    """Epoch after epoch of seeded requests (``epoch_specs(n)``), shifted in time and request id."""
     epoch, t_offset = 0, 0.0
     while True:
-        specs = SyntheticWorkload(num_requests=EPOCH_REQUESTS, rate=args.rate, seed=args.seed * 7919 + epoch,
-                                  grammar_share=getattr(args, "grammar_share", 0.0), **common).requests()
+        specs = epoch_specs(epoch)
         for spec in specs:
             spec.request_id += epoch * EPOCH_REQUESTS
             spec.arrival_s += t_offset
             yield spec
-        t_offset = specs[-1].arrival_s + 1.0 / args.rate
+        t_offset = specs[-1].arrival_s + 1.0 / rate
         epoch += 1

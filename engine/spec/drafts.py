@@ -15,7 +15,7 @@ from engine.model.runner import ModelRunner
 from engine.spec.kinds import SPEC_MTP, SPEC_NGRAM, SPEC_SELF
 from engine.spec.ngram import propose_drafts
 
-MAX_NGRAM, MIN_NGRAM = 3, 1
+MAX_NGRAM = 3   # the longest suffix prompt lookup tries; the shortest is the ngram_min_match lever
 
 
 def self_draft_layers(lever: int, num_hidden_layers: int) -> int:
@@ -25,7 +25,7 @@ def self_draft_layers(lever: int, num_hidden_layers: int) -> int:
 
 
 def propose(kind: str, runner: ModelRunner, seq, history: list[int], num_drafts: int, *,
-            self_layers_lever: int = 0) -> list[int]:
+            self_layers_lever: int = 0, ngram_min_match: int = 1) -> list[int]:
     """Up to ``num_drafts`` drafts for the token after ``history[-1]`` (the token the step feeds in).
 
     Model kinds allocate the blocks the verify will need first (k + 1 positions); with no
@@ -34,7 +34,7 @@ def propose(kind: str, runner: ModelRunner, seq, history: list[int], num_drafts:
     if num_drafts < 1:
         return []
     if kind == SPEC_NGRAM:
-        return propose_drafts(history, max_ngram=MAX_NGRAM, min_ngram=MIN_NGRAM, num_drafts=num_drafts)
+        return propose_drafts(history, max_ngram=MAX_NGRAM, min_ngram=ngram_min_match, num_drafts=num_drafts)
     try:
         runner.pools.blocks.allocate(seq, num_drafts + 1)
     except KVCacheExhausted:

@@ -90,6 +90,9 @@ def test_the_restart_form_starts_what_the_crashed_run_ran_where_it_can():
     assert engine_process.restart_settings({"model": "my-ckpt", "workload": {"kind": "replay", "rate": 1e9}}) == \
         ("tiny", "synthetic", 4.0)
     assert engine_process.restart_settings({}) == ("tiny", "synthetic", 4.0)
+    # what ./run.sh starts restarts as itself
+    assert engine_process.restart_settings({"model": "tiny-chat", "workload": {"kind": "chat", "rate": 4}}) == \
+        ("tiny-chat", "chat", 4.0)
 
 
 def test_a_killed_engine_is_dead_before_its_parent_reaps_it():

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import socket
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +33,16 @@ def started_server(run_dir: Path, *args: str, env_extra: dict[str, str] | None =
 
     wait_for(healthy, "the API's /health", proc)
     return Server(url, run_dir, proc)
+
+
+@contextmanager
+def serving(run_dir: Path, *args: str) -> Iterator[Server]:
+    """``started_server(run_dir, *args)`` for a fixture's lifetime, stopped (SIGTERM, drained) after."""
+    server = started_server(run_dir, *args)
+    try:
+        yield server
+    finally:
+        stop(server.proc)
 
 
 def free_port() -> int:

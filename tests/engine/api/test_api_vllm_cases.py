@@ -11,8 +11,8 @@ import json
 import httpx
 import pytest
 
-from api_server_helpers import started_server
-from serve_process import stop, wait_for
+from api_server_helpers import serving
+from serve_process import wait_for
 
 PROMPT_IDS = list(b"The quick brown fox jumps over the lazy dog.")     # 44 tokens: 2 full blocks of 16
 GREEDY = {"model": "tiny", "temperature": 0}
@@ -21,10 +21,9 @@ GREEDY = {"model": "tiny", "temperature": 0}
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """Room for n = 4 (the shared server queues 3 at most), and the prefix cache on (serve's default)."""
-    srv = started_server(tmp_path_factory.mktemp("vllm-cases"), "--ssm-slots", "4", "--kv-blocks", "128",
-                         "--max-waiting", "32")
-    yield srv
-    stop(srv.proc)
+    with serving(tmp_path_factory.mktemp("vllm-cases"), "--ssm-slots", "4", "--kv-blocks", "128",
+                 "--max-waiting", "32") as srv:
+        yield srv
 
 
 def post(server, path: str, body: dict, client: httpx.Client | None = None) -> httpx.Response:

@@ -203,3 +203,19 @@ def test_the_mask_allows_exactly_the_tokens_the_matcher_takes(compiler, picks):
             break
         ordered = sorted(allowed)
         assert state.advance(ordered[pick % len(ordered)])
+
+
+def test_a_cached_compile_waits_for_think_end_only_when_the_request_that_reuses_it_thinks(compiler):
+    """The cache key leaves ``after_think`` out: a thinking request that hits a compile made for one
+    without thinking must still let its thought run free (it failed at token 0 before)."""
+    schema = {"type": "array", "items": {"type": "integer", "minimum": 7, "maximum": 9}, "maxItems": 2}
+    plain = GrammarSpec.parse({"kind": "json_schema", "value": schema})
+    thinking = GrammarSpec.parse({"kind": "json_schema", "value": schema, "after_think": True})
+    compiled = compiler.compile_now(plain, timeout_s=30)
+    hits = compiler.num_cache_hits
+    reused = compiler.compile_now(thinking, timeout_s=30)
+    assert reused is compiled and compiler.num_cache_hits == hits + 1
+    state = compiler.new_state(reused, thinking)
+    assert state.spec.after_think and state.allowed_mask() is None      # dormant: the thought is free
+    assert state.advance(INNER.token_to_id("T")) and state.advance(THINK_END_ID) and state.is_active
+    assert compiler.new_state(reused, plain).allowed_mask() is not None   # the plain one constrains token 0

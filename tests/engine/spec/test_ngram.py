@@ -81,3 +81,16 @@ def test_matches_brute_force_and_invariants(tokens, max_ngram, min_ngram, num_dr
         assert any(ext[s:s + min_ngram] == tokens[-min_ngram:]
                    and ext[s + min_ngram:s + min_ngram + len(drafts)] == drafts
                    for s in range(len(tokens) - min_ngram))
+
+
+def test_the_ngram_min_match_lever_sets_the_shortest_suffix_the_drafter_matches():
+    from engine.spec.drafts import propose
+    from telemetry.levers import LeversError, defaults
+    one_token_match = [5, 9, 7, 1, 2, 3, 9]          # only "9" recurs: a 1-token match
+    three_token_match = [4, 5, 6, 8, 1, 4, 5, 6]      # "4 5 6" recurs
+    assert propose("ngram", None, None, one_token_match, 2) == [7, 1]   # the lever's default, 1
+    assert propose("ngram", None, None, one_token_match, 2, ngram_min_match=2) == []
+    assert propose("ngram", None, None, three_token_match, 2, ngram_min_match=3) == [8, 1]
+    assert defaults().ngram_min_match == 1 and defaults().replace(ngram_min_match=3).ngram_min_match == 3
+    with pytest.raises(LeversError):
+        defaults().replace(ngram_min_match=4)   # longer than the 3-token suffix lookup starts from

@@ -1,0 +1,69 @@
+"""Chat tasks -> token sequences for training: the prompt as the chat template renders it, then
+the reply as the model must write it, packed into sequences of a fixed length.
+
+The loss counts the reply's tokens only (the prompt is given at serving time, never written).
+With thinking on the template's prompt ends in ``<think>\\n`` and the reply is the thought,
+``\\n</think>``, then the answer; a JSON answer or a tool call sometimes follows ``</think>`` at
+once, as the grammar that starts there makes it (engine/grammar/matcher.py: no newline first).
+"""
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from engine.api.chat_template import BUILTIN_QWEN35_TEMPLATE, ChatTemplate
+from engine.model.tokenizer import EOS, IM_END, build_byte_tokenizer
+from engine.train.tasks import KIND_TEXT, ChatTask, draw_task
+
+TEMPLATE = BUILTIN_QWEN35_TEMPLATE
+
+
+@dataclass
+class Sequence:
+    tokens: list[int]     # [L]
+    targets: list[bool]   # [L]: tokens[i] is a reply token the model is trained to predict
+
+
+class ChatCorpus:
+    """Seeded stream of packed training sequences (one ``random.Random`` for the whole stream).
+
+    A sequence holds whole examples, as many as fit in ``max_len`` tokens (at least one): every
+    sequence starts at a prompt and no reply is cut.
+    """
+
+    def __init__(self, seed: int, max_len: int):
+        self.rng = random.Random(f"tiny-chat:{seed}")
+        self.max_len = max_len
+        self.template = ChatTemplate(TEMPLATE, origin="builtin qwen3.5")
+        self.tokenizer = build_byte_tokenizer()
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def prompt(self, task: ChatTask) -> str:
+        return self.template.render(task.messages + task.history, task.tools, enable_thinking=task.thinking)
+
+    def reply(self, task: ChatTask) -> str:
+        # <|im_end|> closes the turn (the API's stop token); <|endoftext|> after it ends a
+        # generation that does not stop at the turn's end (the model's EOS).
+        if not task.thinking:
+            return task.reply + IM_END + EOS
+        tight = task.kind != KIND_TEXT and self.rng.random() < 0.35
+        return f"{task.thought}\n</think>{'' if tight else chr(10) * 2}{task.reply}{IM_END}{EOS}"
+
+    def example(self) -> tuple[list[int], list[bool]]:
+        task = draw_task(self.rng)
+        prompt, reply = self.encode(self.prompt(task)), self.encode(self.reply(task))
+        return prompt + reply, [False] * len(prompt) + [True] * len(reply)
+
+    def __iter__(self) -> Iterator[Sequence]:
+        pending = self.example()
+        while True:
+            tokens, targets = list(pending[0]), list(pending[1])
+            pending = self.example()
+            while len(tokens) + len(pending[0]) <= self.max_len:
+                tokens += pending[0]
+                targets += pending[1]
+                pending = self.example()
+            yield Sequence(tokens, targets)

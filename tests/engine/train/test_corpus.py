@@ -1,0 +1,55 @@
+"""The training corpus: seeded, whole examples, loss on replies only, replies that follow the rules."""
+from __future__ import annotations
+
+import itertools
+import json
+import random
+
+import jsonschema
+
+from engine.api.output_parse import parse_reply
+from engine.model.tokenizer import EOS, IM_END
+from engine.train.corpus import ChatCorpus
+from engine.train.tasks import KIND_JSON, KIND_TOOL, TOOL_BY_NAME, draw_task
+
+
+def test_the_same_seed_gives_the_same_sequences_and_another_seed_others():
+    first = [(s.tokens, s.targets) for s in itertools.islice(ChatCorpus(5, 1024), 4)]
+    again = [(s.tokens, s.targets) for s in itertools.islice(ChatCorpus(5, 1024), 4)]
+    other = [(s.tokens, s.targets) for s in itertools.islice(ChatCorpus(6, 1024), 4)]
+    assert first == again and first != other
+
+
+def test_sequences_hold_whole_examples_starting_at_a_prompt_with_loss_on_replies_only():
+    corpus = ChatCorpus(0, 1024)
+    im_start, im_end, eos = (corpus.tokenizer.token_to_id(t) for t in ("<|im_start|>", IM_END, EOS))
+    for sequence in itertools.islice(corpus, 12):
+        assert sequence.tokens[0] == im_start and not sequence.targets[0]
+        assert sequence.tokens[-2:] == [im_end, eos] and all(sequence.targets[-2:])
+        assert len(sequence.tokens) <= 1024 or sequence.tokens.count(eos) == 1   # one long example alone
+        # Every reply (a run of targets) ends the turn: <|im_end|> then <|endoftext|>.
+        ends = [i for i in range(1, len(sequence.targets)) if sequence.targets[i - 1] and not sequence.targets[i]]
+        assert all(sequence.tokens[i - 2:i] == [im_end, eos] for i in ends)
+
+
+def test_replies_close_the_thought_and_their_calls_and_json_validate():
+    corpus = ChatCorpus(1, 1024)
+    rng = random.Random(3)
+    kinds = set()
+    for _ in range(60):
+        task = draw_task(rng)
+        reply = corpus.reply(task)
+        assert reply.endswith(IM_END + EOS)
+        text = reply.removesuffix(IM_END + EOS)
+        parsed = parse_reply(text, thinking=task.thinking, tools_allowed=task.tools is not None)
+        if task.thinking:
+            assert "</think>" in text and parsed.reasoning == task.thought
+        if task.kind == KIND_TOOL and task.tool_call is not None:
+            (call,) = parsed.tool_calls
+            schema = TOOL_BY_NAME[call["function"]["name"]]["function"]["parameters"]
+            jsonschema.validate(json.loads(call["function"]["arguments"]), schema)
+            assert json.loads(call["function"]["arguments"]) == task.tool_call["arguments"]
+        if task.kind == KIND_JSON:
+            jsonschema.validate(json.loads(parsed.content), task.schema)
+        kinds.add(task.kind)
+    assert kinds == {"text", "tool", "json"}
