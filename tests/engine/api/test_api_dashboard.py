@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dashboard.paths import ENV_RUN_DIR
+from dashboard.words import plural
 from serve_process import wait_for
 
 APP = str(Path(__file__).resolve().parents[3] / "dashboard" / "app.py")
@@ -69,4 +70,4 @@ def test_the_id_the_client_got_finds_its_request_on_both_pages(api_server, monke
     chunks.text_input(key="chunks_request").input(reply.id).run()
     assert not chunks.exception and not chunks.error
     num_chunks = api_server.rows("SELECT count(*) AS n FROM chunks WHERE request_id = ?", (request_id,))[0]["n"]
-    assert any(f"**{num_chunks} chunk decisions**" in m.value for m in chunks.markdown)
+    assert any(f"**{plural(num_chunks, 'chunk decision')}**" in m.value for m in chunks.markdown)
