@@ -57,7 +57,7 @@ def applies(x: torch.Tensor) -> bool:
     """Whether ``x`` runs natively: float32 or bf16 CPU [1..MAX_ROWS, K] with unit inner stride, at 1 torch thread."""
     if torch.compiler.is_compiling():  # first: a compiled graph traces the library GEMM, nothing of this
         return False
-    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype in KINDS and x.device.type == "cpu"
+    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype in KINDS and x.is_cpu
             and x.stride(1) == 1 and torch.get_num_threads() == 1 and ENABLED and native.enabled())
 
 
@@ -80,17 +80,22 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_cols: int,
            bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """x [M, K] @ W^T (+ bias [N]) -> [M, N] in x's dtype from ``packed = pack(W)``; None where the kernel
     does not apply (a packed copy of another dtype than x's too)."""
-    if not (applies(x) and available()) or packed.dtype != x.dtype:
+    # Every decode projection calls this (~120 times a smol step), so the checks are ordered cheap
+    # first and the kernel is looked up once (not through available(), which binds both functions).
+    if packed.dtype != x.dtype or not applies(x):
+        return None
+    gemm = _gemm(x.dtype)
+    if gemm is None:
         return None
     rows, inner = x.shape
-    if (packed.dim() != 3 or packed.shape[1:] != packed_line(inner, x.dtype)
-            or packed.shape[0] != -(-out_cols // PANEL_COLS) or not packed.is_contiguous()
-            or (bias is not None and bias.shape != (out_cols,))):
-        raise ValueError(f"skinny linear: x {tuple(x.shape)}, packed {tuple(packed.shape)} for {out_cols} columns, "
+    shape = packed.shape
+    if (len(shape) != 3 or shape[1:] != packed_line(inner, x.dtype) or shape[0] != -(-out_cols // PANEL_COLS)
+            or not packed.is_contiguous() or (bias is not None and bias.shape != (out_cols,))):
+        raise ValueError(f"skinny linear: x {tuple(x.shape)}, packed {tuple(shape)} for {out_cols} columns, "
                          f"bias {None if bias is None else tuple(bias.shape)} do not fit")
     if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
         return None
     y = x.new_empty(rows, out_cols)  # [M, N]
-    _gemm(x.dtype)(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
-                   y.data_ptr(), y.stride(0), rows, out_cols, inner)
+    gemm(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+         y.data_ptr(), y.stride(0), rows, out_cols, inner)
     return y

@@ -53,12 +53,15 @@ def pack(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor | None:
 def swiglu(x: torch.Tensor, packed: torch.Tensor, intermediate: int) -> torch.Tensor | None:
     """x [M, K] -> SiLU(gate) * up [M, I] in x's dtype from ``packed = pack(gate_up, I)``; None where the kernel
     does not apply (bf16: SiLU and the product on the float32 sums, rounded once)."""
-    if not (skinny_gemm.applies(x) and available()) or packed.dtype != x.dtype:
+    if packed.dtype != x.dtype or not skinny_gemm.applies(x):  # once per MLP layer: cheap checks first
+        return None
+    gemm = _gemm(x.dtype)
+    if gemm is None:
         return None
     rows, inner = x.shape
     if (packed.dim() != 3 or packed.shape != (-(-intermediate // PAIR_COLS), *skinny_gemm.packed_line(inner, x.dtype))
             or not packed.is_contiguous()):
         raise ValueError(f"swiglu: x {tuple(x.shape)}, packed {tuple(packed.shape)} for {intermediate} columns do not fit")
     y = x.new_empty(rows, intermediate)  # [M, I]
-    _gemm(x.dtype)(x.data_ptr(), x.stride(0), packed.data_ptr(), y.data_ptr(), y.stride(0), rows, intermediate, inner)
+    gemm(x.data_ptr(), x.stride(0), packed.data_ptr(), y.data_ptr(), y.stride(0), rows, intermediate, inner)
     return y

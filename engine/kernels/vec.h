@@ -36,6 +36,7 @@ typedef simde__m256i cs_m256i;
 typedef simde__m128 cs_m128;
 typedef simde__m128i cs_m128i;
 #define CS_HINT_T0 SIMDE_MM_HINT_T0
+#define CS_HINT_T1 SIMDE_MM_HINT_T1
 #else
 #include <immintrin.h>
 #define CS512(op) _mm512_##op
@@ -54,6 +55,7 @@ typedef __m512bh cs_m512bh;
 #endif
 #endif
 #define CS_HINT_T0 _MM_HINT_T0
+#define CS_HINT_T1 _MM_HINT_T1
 #endif
 
 namespace vec {
@@ -62,6 +64,8 @@ constexpr int W = CHUNKSCOPE_VEC_WIDTH;
 static_assert(W == 8 || W == 16, "CHUNKSCOPE_VEC_WIDTH is 8 (AVX2) or 16 (AVX-512)");
 
 inline void prefetch(const void* p) { CS128(prefetch)((const char*)p, CS_HINT_T0); }
+// Into L2 only: data wanted a while later, too much of it for L1.
+inline void prefetch_l2(const void* p) { CS128(prefetch)((const char*)p, CS_HINT_T1); }
 
 // The sum of an 8-lane vector's lanes, and the eight sums of eight 8-lane vectors as one vector
 // [sum(a0), .., sum(a7)]: the 256-bit steps both widths end with.
