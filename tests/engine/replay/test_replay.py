@@ -5,10 +5,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import socket
 import sqlite3
 from collections import deque
 from types import SimpleNamespace
 
+import httpx
 import pytest
 import torch
 
@@ -35,7 +37,10 @@ def served(tmp_path_factory):
     """A real serve run (endless synthetic workload), a lever written mid-run, stopped by SIGTERM."""
     run_dir = tmp_path_factory.mktemp("served")
     db = run_dir / "telemetry.db"
-    proc = start_serve(run_dir, "--rate", "8", "--seed", "5")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = start_serve(run_dir, "--rate", "8", "--seed", "5", "--api-port", str(port))
     try:
         wait_for(lambda: max_tick(db) >= 15 and scalar(db, "SELECT count(*) FROM chunks WHERE path='mixed'"),
                  "15 ticks and a mixed chunk", proc)
@@ -45,7 +50,14 @@ def served(tmp_path_factory):
         wait_for(lambda: scalar(db, "SELECT count(*) FROM chunks WHERE tick > ? AND cap_rule='max_prefill_tokens'",
                                 (change["tick"],)) and max_tick(db) >= change["tick"] + 20,
                  "chunks capped by the new lever", proc)
-        status, stderr = stop(proc)
+        # A long API request decoding at the stop: the recording holds a request cancelled at shutdown
+        # whatever the machine's speed (the synthetic ones may all have finished by then on a fast one).
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                          json={"model": "tiny", "prompt": "cut me short", "max_tokens": 1000,
+                                "min_tokens": 1000, "stream": True}) as reply:
+            assert reply.status_code == 200, reply.read()
+            next(line for line in reply.iter_lines() if line.startswith("data:"))   # its first token
+            status, stderr = stop(proc)
     finally:
         kill_quietly(proc)
     assert status == 0, stderr
