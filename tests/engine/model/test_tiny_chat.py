@@ -19,7 +19,13 @@ from engine.model.loader import load_model
 from engine.model.runner import ModelRunner
 from engine.model.tiny_chat import HASHED_FILES, TINY_CHAT_DIR, read_manifest, verify_manifest
 from engine.multimodal.request_images import RequestImages
+from engine.multimodal.seeded_image import seeded_png
+from engine.scheduler.loop import Scheduler
+from engine.scheduler.request_features import RequestFeatures
 from engine.scheduler.sampling import SamplingParams
+from engine.serve.driver import TickDriver
+from telemetry.events import GenericEvent
+from telemetry.levers import defaults
 from engine.train.loop import TrainSettings, train
 
 MAX_BYTES = 20 * 2**20
@@ -93,6 +99,31 @@ def test_a_text_only_prompt_runs_exactly_as_without_the_tower(with_and_without_t
     drafted = [generate_speculative(m, tokenizer, prompt, params, "mtp", 2) for m in (tower, text)]
     assert drafted[0]["tokens"] == drafted[1]["tokens"] == plain[0]
     assert drafted[0]["spec"] == drafted[1]["spec"] and drafted[0]["spec"]["accepted"] > 0
+
+
+def test_mtp_drafts_past_an_image_and_keeps_the_greedy_tokens(with_and_without_tower):
+    """The MTP head runs on a vision checkpoint: after an image it drafts on plain positions, and the
+    main model's verify keeps the tokens of speculation off."""
+    (model, _, tokenizer), _ = with_and_without_tower
+    template = ChatTemplate.for_checkpoint(TINY_CHAT_DIR)
+    outputs, steps = [], []
+    for speculation in ("off", "mtp"):
+        runner = ModelRunner.build(model, num_kv_blocks=32, num_ssm_slots=2)
+        images = RequestImages.for_model(model, TINY_CHAT_DIR)
+        rows: list = []
+        sched = Scheduler(runner, defaults().replace(speculation=speculation), emit=rows.append, images=images)
+        data = seeded_png(48, 100, 7)
+        text = template.render([{"role": "user", "content": "List 3 colors."}], None, enable_thinking=False)
+        prompt = tokenizer.encode(text.replace("user\n", "user\n" + images.policy(tokenizer).placeholder_text(
+            len(images.placeholders(data)) - 2), 1))
+        request = sched.submit(0, prompt, {"max_tokens": 24, "min_tokens": 24},
+                               features=RequestFeatures(images=(images.store.put(data),)))
+        assert request.error is None and request.num_images == 1
+        TickDriver(sched).run()
+        outputs.append(list(request.output_tokens))
+        steps += [r.detail for r in rows if isinstance(r, GenericEvent) and r.kind == "spec_step"]
+    assert outputs[0] == outputs[1]
+    assert steps and all(s["kind"] == "mtp" for s in steps) and sum(s["num_accepted"] for s in steps) > 0
 
 
 def test_training_from_the_seed_reproduces_the_recorded_early_losses():
