@@ -28,8 +28,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--grammar-share", type=bounded_float(0.0, 1.0), default=0.0,
                    help="synthetic: share of requests constrained by a built-in JSON schema / regex / choice")
     p.add_argument("--image-share", type=bounded_float(0.0, 1.0), default=None,
-                   help="share of workload requests with an image in front of the prompt (a model with a "
-                        "vision tower, e.g. tiny-vl; default 0.5 there, 0 otherwise)")
+                   help="share of workload requests with an image in front of the prompt (chat: opening the "
+                        "user turn) on a model with a vision tower (tiny-chat, tiny-vl; default 0.5 there, 0 "
+                        "otherwise)")
     p.add_argument("--requests", type=cli_args.positive_int, default=None,
                    help="stop after this many requests (default: endless)")
     p.add_argument("--duration", type=cli_args.positive_float, default=None, help="stop after this many seconds")

@@ -92,10 +92,10 @@ def _attach_mtp_if_stored(model: Qwen35ForCausalLM, stored: dict[str, Path]) -> 
     names the first missing or mis-shaped tensor).
     """
     layers = model.config.mtp_num_hidden_layers
-    if layers and getattr(model, "visual", None) is not None:
-        # The MTP layer's rotary would need the M-RoPE positions of prompts with images.
-        model.mtp_absent_reason = "the MTP module is not run for a checkpoint with a vision tower"
-    elif not layers:
+    # With a vision tower the head drafts on the plain positions and the placeholder tokens' own
+    # embeddings (not the tower's rows or M-RoPE): weaker drafts after an image, never wrong ones
+    # (the main model verifies every draft); text-only requests draft exactly as without a tower.
+    if not layers:
         model.mtp_absent_reason = "config.json declares no MTP module (mtp_num_hidden_layers = 0)"
     elif not any(name.startswith(MTP_PREFIX) for name in stored):
         model.mtp_absent_reason = (f"config.json declares mtp_num_hidden_layers = {layers} but the checkpoint "

@@ -14,7 +14,8 @@ from engine.model.errors import CheckpointError
 
 TINY_CHAT_DIR = Path(__file__).with_name("tiny_chat")
 MANIFEST = "manifest.json"
-HASHED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja", "loss_curve.png")
+HASHED_FILES = ("config.json", "model.safetensors", "preprocessor_config.json", "tokenizer.json",
+                "chat_template.jinja", "loss_curve.png")
 
 
 def sha256_of(path: Path) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from engine.workload.images import with_images
+from engine.workload.images import chat_images, with_images
 from engine.workload.multiturn import MultiTurnWorkload
 from engine.workload.request import RequestSpec, WorkloadError
 from engine.workload.synthetic import SyntheticWorkload
@@ -110,14 +110,20 @@ def _chat_feed(args: Any, setup: Any, limit: int | None) -> "WorkloadFeed":
     from engine.api.chat_template import ChatTemplate
     from engine.workload.chat import ChatWorkload
 
+    share = image_share(args, setup)
+    images = chat_images(setup.scheduler.images, setup.tokenizer, args.seed) if share else ()
+    template = ChatTemplate.for_checkpoint(setup.checkpoint_dir)
+
     def epoch(seed: int, num: int) -> ChatWorkload:
-        return ChatWorkload(tokenizer=setup.tokenizer, template=ChatTemplate.for_checkpoint(setup.checkpoint_dir),
-                            num_requests=num, rate=args.rate, seed=seed)
+        return ChatWorkload(tokenizer=setup.tokenizer, template=template, images=images, num_requests=num,
+                            rate=args.rate, seed=seed, image_share=share)
 
     if limit is not None:
         workload = epoch(args.seed, limit)
         return WorkloadFeed(iter(workload.requests()), workload.describe())
     description = {"kind": "chat", "rate": args.rate, "seed": args.seed, "endless": True}
+    if share:
+        description["image_share"] = share
     return WorkloadFeed(_endless(lambda n: epoch(args.seed * 7919 + n, EPOCH_REQUESTS).requests(), args.rate),
                         description)
 

@@ -1,9 +1,12 @@
 """``python -m engine.train``: train ``tiny-chat`` from its seed and write the shipped files.
 
 Writes into ``--out`` (default: the embedded ``engine/model/tiny_chat/``): config.json and
-model.safetensors (MTP head included), tokenizer.json, chat_template.jinja, loss_curve.png and
-manifest.json (the settings, the recorded losses and every file's sha256). ``./run.sh`` never
-runs this: it loads the shipped files (engine/model/tiny_chat.py).
+model.safetensors (MTP head and vision tower included), preprocessor_config.json, tokenizer.json
+(the image tokens included), chat_template.jinja, loss_curve.png and manifest.json (the settings,
+the recorded losses and every file's sha256). The vision tower is not trained: it is seeded after
+training (``seeded_tower``), so ``./run.sh``'s chat workload runs images through it; text-only
+requests never touch it. ``./run.sh`` never runs this: it loads the shipped files
+(engine/model/tiny_chat.py).
 """
 from __future__ import annotations
 
@@ -11,15 +14,34 @@ import argparse
 import time
 from pathlib import Path
 
-from engine.model.tiny import write_checkpoint
+from engine.model.qwen3_5 import Qwen35ForCausalLM
+from engine.model.tiny import random_init
 from engine.model.tiny_chat import TINY_CHAT_DIR, write_manifest
-from engine.model.tokenizer import build_byte_tokenizer
+from engine.model.tiny_vl import TINY_VL_PREPROCESSOR, TINY_VL_VISION, write_vision_checkpoint
+from engine.model.tokenizer import VISION_TOKENS, build_byte_tokenizer
+from engine.model.vision import attach_vision
 from engine.train.corpus import TEMPLATE
 from engine.train.loop import TrainSettings, train
 from engine.train.loss_plot import save_loss_plot
 
 FINAL_WINDOW = 100   # the recorded final loss: mean main loss over the last this-many steps
 EARLY_STEPS = 5      # the recorded early losses a cheap test reproduces
+TOWER_SEED_OFFSET = 2  # the tower's seed: the training seed + this (+1 seeds the MTP head)
+
+
+def seeded_tower(model: Qwen35ForCausalLM, seed: int) -> Qwen35ForCausalLM:
+    """Attach tiny-vl's tower shape (merger out = tiny-chat's width, image tokens 266-268) with seeded,
+    untrained weights; the text weights are untouched."""
+    attach_vision(model, TINY_VL_VISION)
+    random_init(model.visual, seed + TOWER_SEED_OFFSET)
+    return model
+
+
+def write_shipped(model: Qwen35ForCausalLM, out: Path) -> None:
+    """The checkpoint files (transformers' ConditionalGeneration layout), tokenizer and template."""
+    write_vision_checkpoint(model, out, TINY_VL_PREPROCESSOR)
+    build_byte_tokenizer(VISION_TOKENS).save(str(out / "tokenizer.json"))
+    (out / "chat_template.jinja").write_text(TEMPLATE.strip() + "\n", encoding="utf-8")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,9 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     seconds = time.perf_counter() - started
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
-    write_checkpoint(model, out)
-    build_byte_tokenizer().save(str(out / "tokenizer.json"))
-    (out / "chat_template.jinja").write_text(TEMPLATE.strip() + "\n", encoding="utf-8")
+    write_shipped(seeded_tower(model, settings.seed), out)
     main_curve, mtp_curve = [s.main for s in losses], [s.mtp for s in losses]
     save_loss_plot({"main": main_curve, "mtp": mtp_curve}, out / "loss_curve.png",
                    f"tiny-chat training loss (seed {settings.seed}, {settings.steps} steps)")

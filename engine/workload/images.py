@@ -3,13 +3,17 @@
 A seeded share of the requests gets one image in front of its prompt, drawn from a few seeded
 images of the same size (repeats hit the encoder cache; different images of the same size must
 never share a prefix). The image bytes go to the engine's image store, the request names them by
-content hash (``features.images``), as an API request with an image does.
+content hash (``features.images``), as an API request with an image does. The chat workload
+places the same pool's images in its chat template instead (``chat_images``).
 """
 from __future__ import annotations
 
 import random
 from collections.abc import Iterable, Iterator
 
+from typing import Any
+
+from engine.multimodal.limits import image_tokens
 from engine.multimodal.request_images import RequestImages
 from engine.multimodal.seeded_image import seeded_png
 from engine.workload.request import RequestSpec
@@ -21,7 +25,7 @@ IMAGE_SIZE = (48, 100)   # pixels (tiny-vl: 3 x 6 = 18 placeholder tokens)
 def with_images(specs: Iterable[RequestSpec], images: RequestImages, share: float, seed: int) -> Iterator[RequestSpec]:
     """``specs`` with an image prepended to a seeded ``share`` of them (lazy: endless workloads too)."""
     rng = random.Random(seed * 1_000_003 + 28)
-    pool = [seeded_png(*IMAGE_SIZE, seed * 31 + i) for i in range(NUM_IMAGES)]
+    pool = image_pool(seed)
     placeholders = [images.placeholders(data) for data in pool]   # the store keeps each image once
     keys = [images.store.put(data) for data in pool]
     for spec in specs:
@@ -33,3 +37,16 @@ def with_images(specs: Iterable[RequestSpec], images: RequestImages, share: floa
         features["images"] = [keys[pick]]
         yield RequestSpec(spec.request_id, spec.arrival_s, placeholders[pick] + list(spec.prompt_tokens), spec.sampling,
                           spec.conversation_id, spec.turn, spec.arrival_tick, features, spec.grammar)
+
+
+def image_pool(seed: int) -> list[bytes]:
+    """The workload's seeded PNGs, all of ``IMAGE_SIZE``."""
+    return [seeded_png(*IMAGE_SIZE, seed * 31 + i) for i in range(NUM_IMAGES)]
+
+
+def chat_images(images: RequestImages, tokenizer: Any, seed: int) -> list[tuple[str, str]]:
+    """(placeholder text, content hash) of each pooled image, kept in the store: what the chat workload
+    puts in a user's turn, in the text the API's frontend writes for an ``image_url`` part."""
+    policy = images.policy(tokenizer)
+    return [(policy.placeholder_text(image_tokens(data, policy.settings, policy.limits)), images.store.put(data))
+            for data in image_pool(seed)]
