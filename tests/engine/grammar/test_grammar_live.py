@@ -24,7 +24,9 @@ SERVE_TIMEOUT_S = 240
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("grammar-served")
-    proc = start_serve(run_dir, "--requests", "60", "--rate", "40", "--grammar-share", "0.5",
+    # Every request arrives at once (rate 1000/s; serve feeds arrivals by wall time): they overflow the
+    # 40 blocks and preempt on any machine speed (at 40/s a fast CPU finished them before the cap bit).
+    proc = start_serve(run_dir, "--requests", "60", "--rate", "1000", "--grammar-share", "0.5",
                        "--kv-blocks", "40", "--ssm-slots", "8", "--seed", "3")
     try:
         assert proc.wait(timeout=SERVE_TIMEOUT_S) == 0, (run_dir / "serve.stderr").read_text()[-2000:]
