@@ -119,3 +119,18 @@ def test_serving_run_with_mixed_ticks_and_preemptions_matches_off(tiny, serving_
             assert status == ev.REQ_PREEMPTED and tokens == reference[:len(tokens)], f"request {rid}"
     details = spec_details(rows)
     assert sum(d["num_accepted"] for d in details) > 0
+
+
+def test_the_ngram_min_match_lever_through_the_engine(tiny, off_outputs):
+    """``ngram_min_match`` 3 (what ./run.sh sets for byte-token tiny-chat) drafts only after a 3-token
+    suffix recurs: fewer drafts than the lever's default 1 on text, the same tokens as off either way."""
+    drafted = {}
+    for min_match in (1, 3):
+        levers = defaults().replace(speculation="ngram", ngram_min_match=min_match)
+        details = []
+        for i, prompt in enumerate(prompts()):
+            outputs, rows = serve(tiny, {0: [(i, prompt, GREEDY)]}, levers)
+            assert outputs[i] == (ev.REQ_FINISHED, off_outputs[(i, "greedy")]), f"min_match {min_match} prompt {i}"
+            details += spec_details(rows)
+        drafted[min_match] = sum(d["num_drafted"] for d in details)
+    assert 0 < drafted[3] < drafted[1], drafted
