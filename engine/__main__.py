@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+import torch
+
 from engine.cli import generate, replay, serve
 from telemetry.cli_errors import report_unexpected
 
@@ -37,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         command.add_parser(subparsers)
     args = parser.parse_args(argv)
     try:
-        return args.func(args)
+        with torch.no_grad():   # inference only; scoped, so a caller in the same process keeps its grad mode
+            return args.func(args)
     except USER_ERRORS as err:
         print(f"error: {one_line(err)}", file=sys.stderr)
         return 2

@@ -228,7 +228,6 @@ def run(args: argparse.Namespace) -> int:
     if (args.prompt_ids is None) == (args.prompt is None):
         raise ValueError("give exactly one of --prompt-ids and --prompt")
     kv_cache = kv_cache_options(args)
-    torch.set_grad_enabled(False)
     if args.threads:
         torch.set_num_threads(args.threads)
     rank, _ = launch.rank_of(args.ep)

@@ -114,6 +114,7 @@ def recorded_numerics(config: dict[str, Any]) -> str:
     return str(config.get("numerics") or NATIVE)
 
 
+@torch.no_grad()   # inference only; scoped, so the caller's grad mode is left as it was
 def replay_run(recorded: RecordedRun, *, model: str = "tiny", flips: dict[str, Any] | None = None,
                device: str | None = None, kv_cache: dict[str, Any] | None = None,
                numerics: str | None = None, progress: Callable[[int], None] | None = None) -> ReplayedRun:
@@ -138,7 +139,6 @@ def replay_run(recorded: RecordedRun, *, model: str = "tiny", flips: dict[str, A
         if bucket is not None:
             bucket.append(event)
 
-    torch.set_grad_enabled(False)
     image_store = ImageStore()
     for data in recorded.images.values():
         image_store.put(data)

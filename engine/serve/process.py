@@ -276,7 +276,6 @@ def _setup_logging(run_dir: Path) -> None:
             root.addHandler(handler)
         if file_error:
             log.error(file_error)
-    torch.set_grad_enabled(False)
 
 
 def _is_same_file(stream, path: Path) -> bool:

@@ -55,12 +55,3 @@ def hf_checkpoint(tmp_path_factory):
     return build
 
 
-
-@pytest.fixture(autouse=True)
-def grad_mode_as_a_fresh_process_has_it():
-    """Every test starts with autograd on, as a fresh process has it: ``generate`` and ``serve`` switch it
-    off for their whole process, and tests that call them in-process would leak that to the next test
-    (the training tests' backward passes then fail, depending on the order the suite runs in)."""
-    torch.set_grad_enabled(True)
-    yield
-    torch.set_grad_enabled(True)
