@@ -55,3 +55,13 @@ def hf_checkpoint(tmp_path_factory):
     return build
 
 
+
+
+@pytest.fixture(autouse=True)
+def grad_mode_as_a_fresh_process_has_it():
+    """Every test starts with autograd on, as a fresh process has it: several engine tests switch it off
+    for their module's forwards with ``torch.set_grad_enabled(False)``, which would otherwise reach the
+    training tests' backward passes, depending on the order the suite runs in."""
+    torch.set_grad_enabled(True)
+    yield
+    torch.set_grad_enabled(True)
