@@ -5,6 +5,12 @@ The loss counts the reply's tokens only (the prompt is given at serving time, ne
 With thinking on the template's prompt ends in ``<think>\\n`` and the reply is the thought,
 ``\\n</think>``, then the answer; a JSON answer or a tool call sometimes follows ``</think>`` at
 once, as the grammar that starts there makes it (engine/grammar/matcher.py: no newline first).
+
+Some thoughts carry a copy slip (engine/train/slips.py): one word the thought copies from the
+question swapped for another of its kind, left out of the loss. The model never learns to slip;
+it learns to go on after one, copying from the question again and closing the thought. Sampled at
+temperature 0.7, a tiny model does slip, and without this it wandered off and never wrote
+``</think>`` (bench/chat_model.py).
 """
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ from dataclasses import dataclass
 
 from engine.api.chat_template import BUILTIN_QWEN35_TEMPLATE, ChatTemplate
 from engine.model.tokenizer import EOS, IM_END, build_byte_tokenizer
+from engine.train.slips import SLIP_SHARE, with_slip
 from engine.train.tasks import KIND_TEXT, ChatTask, draw_task
 
 TEMPLATE = BUILTIN_QWEN35_TEMPLATE
@@ -44,18 +51,25 @@ class ChatCorpus:
     def prompt(self, task: ChatTask) -> str:
         return self.template.render(task.messages + task.history, task.tools, enable_thinking=task.thinking)
 
-    def reply(self, task: ChatTask) -> str:
+    def reply(self, task: ChatTask) -> list[tuple[str, bool]]:
+        """The reply as (text, trained) segments."""
         # <|im_end|> closes the turn (the API's stop token); <|endoftext|> after it ends a
         # generation that does not stop at the turn's end (the model's EOS).
         if not task.thinking:
-            return task.reply + IM_END + EOS
+            return [(task.reply + IM_END + EOS, True)]
         tight = task.kind != KIND_TEXT and self.rng.random() < 0.35
-        return f"{task.thought}\n</think>{'' if tight else chr(10) * 2}{task.reply}{IM_END}{EOS}"
+        thought = with_slip(self.rng, task.thought) if self.rng.random() < SLIP_SHARE else [(task.thought, True)]
+        return [*thought, (f"\n</think>{'' if tight else chr(10) * 2}{task.reply}{IM_END}{EOS}", True)]
 
     def example(self) -> tuple[list[int], list[bool]]:
         task = draw_task(self.rng)
-        prompt, reply = self.encode(self.prompt(task)), self.encode(self.reply(task))
-        return prompt + reply, [False] * len(prompt) + [True] * len(reply)
+        tokens = self.encode(self.prompt(task))
+        targets = [False] * len(tokens)
+        for text, trained in self.reply(task):
+            ids = self.encode(text)  # byte tokens, no merges: segments encode as the whole does
+            tokens += ids
+            targets += [trained] * len(ids)
+        return tokens, targets
 
     def __iter__(self) -> Iterator[Sequence]:
         pending = self.example()

@@ -27,8 +27,10 @@ def test_sequences_hold_whole_examples_starting_at_a_prompt_with_loss_on_replies
         assert sequence.tokens[0] == im_start and not sequence.targets[0]
         assert sequence.tokens[-2:] == [im_end, eos] and all(sequence.targets[-2:])
         assert len(sequence.tokens) <= 1024 or sequence.tokens.count(eos) == 1   # one long example alone
-        # Every reply (a run of targets) ends the turn: <|im_end|> then <|endoftext|>.
-        ends = [i for i in range(1, len(sequence.targets)) if sequence.targets[i - 1] and not sequence.targets[i]]
+        # Every reply ends the turn (<|im_end|> then <|endoftext|>) before the next prompt; the other
+        # untrained stretches inside a reply are copy slips (test_slips.py).
+        ends = [i for i in range(1, len(sequence.targets))
+                if sequence.targets[i - 1] and not sequence.targets[i] and sequence.tokens[i] == im_start]
         assert all(sequence.tokens[i - 2:i] == [im_end, eos] for i in ends)
 
 
@@ -38,12 +40,12 @@ def test_replies_close_the_thought_and_their_calls_and_json_validate():
     kinds = set()
     for _ in range(60):
         task = draw_task(rng)
-        reply = corpus.reply(task)
+        reply = "".join(text for text, _ in corpus.reply(task))
         assert reply.endswith(IM_END + EOS)
         text = reply.removesuffix(IM_END + EOS)
         parsed = parse_reply(text, thinking=task.thinking, tools_allowed=task.tools is not None)
-        if task.thinking:
-            assert "</think>" in text and parsed.reasoning == task.thought
+        if task.thinking:  # a thought may carry a slip (test_slips.py); what follows it never does
+            assert "</think>" in text and len(parsed.reasoning) >= len(task.thought) // 2
         if task.kind == KIND_TOOL and task.tool_call is not None:
             (call,) = parsed.tool_calls
             schema = TOOL_BY_NAME[call["function"]["name"]]["function"]["parameters"]
