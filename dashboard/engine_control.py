@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -23,6 +25,9 @@ from telemetry.procs import is_zombie
 BUILTIN_MODELS = ("tiny", "tiny-chat")
 WORKLOADS = ("synthetic", "chat", "multiturn")
 MAX_RATE = 1000.0
+DEFAULT_API_HOST = "127.0.0.1"
+_PORT = re.compile(r"[0-9]{1,5}")
+_HOST = re.compile(r"[A-Za-z0-9\[][A-Za-z0-9.:\-\[\]]{0,252}")   # a name, IPv4 or IPv6 address: never an option or a space
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -38,8 +43,9 @@ class EngineStatus:
     note: str                      # one human sentence: why we think so
 
 
-def engine_argv(paths: RunPaths, model: str, workload: str, rate: float) -> list[str]:
-    """Validate the form fields and build the engine command line."""
+def engine_argv(paths: RunPaths, model: str, workload: str, rate: float, api_port: str | int | None = None,
+                api_host: str = DEFAULT_API_HOST) -> list[str]:
+    """Validate the form fields and build the engine command line (``api_port`` blank or None: no API)."""
     if workload not in WORKLOADS:
         raise EngineControlError(f"workload {workload!r} is not one of {', '.join(WORKLOADS)}")
     try:
@@ -60,8 +66,42 @@ def engine_argv(paths: RunPaths, model: str, workload: str, rate: float) -> list
         if not is_dir:
             raise EngineControlError(f"model: {model_dir} is not a directory")
         model = str(model_dir)
-    return [sys.executable, "-m", "engine", "serve", "--model", model, "--run-dir", str(paths.run_dir),
+    argv = [sys.executable, "-m", "engine", "serve", "--model", model, "--run-dir", str(paths.run_dir),
             "--workload", workload, "--rate", f"{rate:g}"]
+    port = _api_port(api_port)
+    if port is not None:
+        if not _HOST.fullmatch(api_host or ""):
+            raise EngineControlError(f"API host {_shown(api_host)} is not a host name or address")
+        argv += ["--api-port", str(port), "--api-host", api_host]
+    return argv
+
+
+def _api_port(value: str | int | None) -> int | None:
+    """A port 1-65535 typed as ASCII digits; blank or None: no API."""
+    text = "" if value is None else str(value).strip()
+    if not text:
+        return None
+    if not _PORT.fullmatch(text) or not 1 <= int(text) <= 65535:
+        raise EngineControlError(f"API port {_shown(text)} is not a port number (1-65535), or leave it blank")
+    return int(text)
+
+
+def _shown(text: str) -> str:
+    return repr(text if len(text) <= 40 else text[:40] + "...")
+
+
+def api_options(command_line: str | None) -> tuple[str, str]:
+    """(port, host) of ``--api-port`` / ``--api-host`` in a run's recorded command line ("" port: none)."""
+    try:
+        words = shlex.split(command_line or "")
+    except ValueError:       # a recorded line that does not split: start without the API
+        return "", DEFAULT_API_HOST
+    found = {"--api-port": "", "--api-host": DEFAULT_API_HOST}
+    for i, word in enumerate(words):
+        name, eq, value = word.partition("=")
+        if name in found:
+            found[name] = value if eq else (words[i + 1] if i + 1 < len(words) else found[name])
+    return found["--api-port"], found["--api-host"]
 
 
 def _proc_cmdline(pid: int) -> tuple[str, ...] | None:
@@ -120,8 +160,9 @@ def launch(paths: RunPaths, argv: list[str]) -> int:
     return proc.pid
 
 
-def start_engine(paths: RunPaths, model: str = "tiny", workload: str = "synthetic", rate: float = 4.0) -> int:
-    return launch(paths, engine_argv(paths, model, workload, rate))
+def start_engine(paths: RunPaths, model: str = "tiny", workload: str = "synthetic", rate: float = 4.0,
+                 api_port: str | int | None = None, api_host: str = DEFAULT_API_HOST) -> int:
+    return launch(paths, engine_argv(paths, model, workload, rate, api_port, api_host))
 
 
 def stop_engine(paths: RunPaths, timeout_s: float = 10.0) -> str:

@@ -1,6 +1,8 @@
 """The engine status strip: running or not, and start / stop controls (Streamlit calls only)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import streamlit as st
 
 from dashboard import context, engine_control, fragment_timing
@@ -45,20 +47,23 @@ def render(paths: RunPaths, ctx: RunContext | None) -> None:
 
 
 def start_form(paths: RunPaths, ctx: RunContext | None, crashed: bool) -> None:
-    """Start an engine; after a crash the form is open and holds the crashed run's model, workload and rate."""
-    model, workload, rate = restart_settings(ctx.run if ctx is not None else {})
+    """Start an engine; after a crash the form is open and holds the crashed run's model, workload, rate
+    and API port (./run.sh's engine serves the API: the restarted one does too, where the user's clients are)."""
+    settings = restart_settings(ctx.run if ctx is not None else {})
     with st.expander("Restart the engine" if crashed else "Start an engine", expanded=ctx is None or crashed):
         with st.form("engine_start"):
-            cols = st.columns(3)
-            model = cols[0].text_input("model", value=model,
+            cols = st.columns(4)
+            model = cols[0].text_input("model", value=settings.model,
                                        help="'tiny', 'tiny-chat' or a checkpoint directory inside the run directory")
             workload = cols[1].selectbox("workload", engine_control.WORKLOADS,
-                                         index=engine_control.WORKLOADS.index(workload))
+                                         index=engine_control.WORKLOADS.index(settings.workload))
             rate = cols[2].number_input("rate (requests/s)", min_value=0.1, max_value=engine_control.MAX_RATE,
-                                        value=rate, step=0.5)
+                                        value=settings.rate, step=0.5)
+            api_port = cols[3].text_input("API port", value=settings.api_port, max_chars=5,
+                                          help=f"the OpenAI-compatible API on {settings.api_host}; blank: no API")
             if st.form_submit_button("Restart engine" if crashed else "Start engine"):
                 try:
-                    pid = engine_control.start_engine(paths, model, workload, rate)
+                    pid = engine_control.start_engine(paths, model, workload, rate, api_port, settings.api_host)
                 except engine_control.EngineControlError as exc:
                     st.error(f"Not started: {exc}")
                 else:
@@ -66,9 +71,18 @@ def start_form(paths: RunPaths, ctx: RunContext | None, crashed: bool) -> None:
                     st.rerun()
 
 
-def restart_settings(run: dict) -> tuple[str, str, float]:
-    """(model, workload, rate) for the start form: the run's own where the form can start them, else the
-    defaults (a run of a model the form cannot name starts the tiny model)."""
+@dataclass(frozen=True)
+class StartSettings:
+    model: str
+    workload: str
+    rate: float
+    api_port: str = ""                                  # "": no API
+    api_host: str = engine_control.DEFAULT_API_HOST
+
+
+def restart_settings(run: dict) -> StartSettings:
+    """The start form's values: the run's own where the form can start them, else the defaults (a run of a
+    model the form cannot name starts the tiny model); the API port and host from its command line."""
     workload = run.get("workload") or {}
     model = run.get("model") if run.get("model") in engine_control.BUILTIN_MODELS else "tiny"
     kind = workload.get("kind") if workload.get("kind") in engine_control.WORKLOADS else "synthetic"
@@ -77,4 +91,5 @@ def restart_settings(run: dict) -> tuple[str, str, float]:
     except (TypeError, ValueError):
         rate = 4.0
     rate = rate if 0.1 <= rate <= engine_control.MAX_RATE else 4.0
-    return model, kind, rate
+    api_port, api_host = engine_control.api_options(run.get("command_line"))
+    return StartSettings(model, kind, rate, api_port, api_host)

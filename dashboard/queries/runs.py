@@ -59,7 +59,8 @@ def failure_reason(db: Path, run_id: int) -> str | None:
 
 
 def run_row(db: Path, run_id: int) -> dict | None:
-    row = query_one(db, f"SELECT {', '.join(RUN_COLUMNS)} FROM runs WHERE run_id = ?", [run_id])
+    # + the command line: the start form restarts a crashed run with its API options
+    row = query_one(db, f"SELECT {', '.join(RUN_COLUMNS)}, command_line FROM runs WHERE run_id = ?", [run_id])
     if row is not None:
         row["status"] = shown_status(row["status"], row["pid"], row["hostname"])
         for key in ("workload", "levers", "config"):

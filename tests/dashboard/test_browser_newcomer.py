@@ -22,6 +22,7 @@ import re
 import signal
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -75,8 +76,16 @@ def _is_gone(pid: int) -> bool:
 
 
 class Session:
-    def __init__(self, proc: subprocess.Popen, url: str, run_dir: Path, page, log: Path) -> None:
+    def __init__(self, proc: subprocess.Popen, url: str, run_dir: Path, page, log: Path, api_url: str) -> None:
         self.proc, self.url, self.run_dir, self.page, self.log = proc, url, run_dir, page, log
+        self.api_url = api_url
+
+    def api_answers(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.api_url + "/v1/models", timeout=2) as response:
+                return response.status == 200
+        except OSError:
+            return False
 
     @property
     def db(self) -> Path:
@@ -133,7 +142,7 @@ def session(tmp_path_factory):
                   "the engine's first chunk decisions")
         with chromium_browser() as browser:
             page = browser.new_page(viewport={"width": WIDTH, "height": 900})
-            yield Session(proc, url, run_dir, page, log)
+            yield Session(proc, url, run_dir, page, log, f"http://127.0.0.1:{api_port}")
     finally:
         from dashboard import engine_control
         from dashboard.paths import RunPaths
@@ -288,6 +297,8 @@ def test_the_dashboard_outlives_a_killed_engine(session):
         timeout=60_000)
     page.get_by_text(re.compile(r"^Engine crashed")).first.wait_for(state="detached", timeout=30_000)
     restarted = json.loads((s.run_dir / "engine.pid").read_text())["pid"]
+    # ./run.sh's engine served the API: the restarted one serves it on the same port, where clients are.
+    _wait_for(s.api_answers, 60, "the restarted engine's API on ./run.sh's API port")
 
     s.proc.send_signal(signal.SIGINT)             # Ctrl-C stops the dashboard and the restarted engine
     assert s.proc.wait(60) == 0, s.log.read_text(errors="replace")[-2000:]

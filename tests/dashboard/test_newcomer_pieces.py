@@ -13,8 +13,9 @@ import sys
 import pandas as pd
 import pytest
 
-from dashboard import bundles, lever_state
+from dashboard import bundles, engine_control, lever_state
 from dashboard.panels import engine_process, tables
+from dashboard.paths import RunPaths
 from dashboard.words import ordinal, plural
 from telemetry.levers import LEVERS, defaults
 from telemetry.procs import is_pid_alive, is_zombie
@@ -85,14 +86,37 @@ def test_counting_words():
 
 
 def test_the_restart_form_starts_what_the_crashed_run_ran_where_it_can():
-    assert engine_process.restart_settings({"model": "tiny", "workload": {"kind": "multiturn", "rate": 8}}) == \
-        ("tiny", "multiturn", 8.0)
-    assert engine_process.restart_settings({"model": "my-ckpt", "workload": {"kind": "replay", "rate": 1e9}}) == \
-        ("tiny", "synthetic", 4.0)
-    assert engine_process.restart_settings({}) == ("tiny", "synthetic", 4.0)
-    # what ./run.sh starts restarts as itself
-    assert engine_process.restart_settings({"model": "tiny-chat", "workload": {"kind": "chat", "rate": 4}}) == \
-        ("tiny-chat", "chat", 4.0)
+    def settings(run):
+        found = engine_process.restart_settings(run)
+        return found.model, found.workload, found.rate, found.api_port, found.api_host
+
+    assert settings({"model": "tiny", "workload": {"kind": "multiturn", "rate": 8}}) == \
+        ("tiny", "multiturn", 8.0, "", "127.0.0.1")
+    assert settings({"model": "my-ckpt", "workload": {"kind": "replay", "rate": 1e9}}) == \
+        ("tiny", "synthetic", 4.0, "", "127.0.0.1")
+    assert settings({}) == ("tiny", "synthetic", 4.0, "", "127.0.0.1")
+    # what ./run.sh starts restarts as itself, its API included
+    run_sh = ("python -m engine serve --model tiny-chat --run-dir runs/default --workload chat --rate 4 "
+              "--api-port 8000 --api-host 127.0.0.1")
+    assert settings({"model": "tiny-chat", "workload": {"kind": "chat", "rate": 4}, "command_line": run_sh}) == \
+        ("tiny-chat", "chat", 4.0, "8000", "127.0.0.1")
+    assert settings({"command_line": "serve --api-port=9001 --api-host=::1"})[3:] == ("9001", "::1")
+    assert settings({"command_line": "serve 'unclosed --api-port 1"})[3:] == ("", "127.0.0.1")
+
+
+def test_the_start_form_passes_a_valid_api_port_and_refuses_others(tmp_path):
+    paths = RunPaths(tmp_path)
+    argv = engine_control.engine_argv(paths, "tiny-chat", "chat", 4, " 8000 ")
+    assert argv[-4:] == ["--api-port", "8000", "--api-host", "127.0.0.1"]
+    assert "--api-port" not in engine_control.engine_argv(paths, "tiny", "chat", 4, "")
+    assert "--api-port" not in engine_control.engine_argv(paths, "tiny", "chat", 4, None)
+    for bad in ("0", "65536", "80a", "-1", "８０００", "1_000", "9" * 5000):
+        with pytest.raises(engine_control.EngineControlError, match="not a port number") as caught:
+            engine_control.engine_argv(paths, "tiny", "chat", 4, bad)
+        assert len(str(caught.value)) < 120
+    for bad_host in ("", "--debug", "a b", "x;rm"):
+        with pytest.raises(engine_control.EngineControlError, match="API host"):
+            engine_control.engine_argv(paths, "tiny", "chat", 4, "8000", bad_host)
 
 
 def test_a_killed_engine_is_dead_before_its_parent_reaps_it():
