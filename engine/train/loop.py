@@ -30,7 +30,7 @@ BLOCK = 16
 @dataclass(frozen=True)
 class TrainSettings:
     seed: int = 32
-    steps: int = 1800
+    steps: int = 3000
     max_len: int = 1280          # tokens per packed sequence (one sequence per step)
     learning_rate: float = 3e-3
     warmup: int = 60
