@@ -23,16 +23,26 @@ IMAGE_SIZE = (48, 100)   # pixels (tiny-vl: 3 x 6 = 18 placeholder tokens)
 
 
 def with_images(specs: Iterable[RequestSpec], images: RequestImages, share: float, seed: int) -> Iterator[RequestSpec]:
-    """``specs`` with an image prepended to a seeded ``share`` of them (lazy: endless workloads too)."""
+    """``specs`` with an image prepended to a seeded ``share`` of them (lazy: endless workloads too).
+
+    A conversation's turns share the image its first turn drew (or its lack of one): turn k resends
+    turn k-1's prompt, and an image drawn per turn would end that shared prefix at its first token."""
     rng = random.Random(seed * 1_000_003 + 28)
     pool = image_pool(seed)
     placeholders = [images.placeholders(data) for data in pool]   # the store keeps each image once
     keys = [images.store.put(data) for data in pool]
+    by_conversation: dict[int, int | None] = {}   # conversation id -> its image's index in the pool
     for spec in specs:
-        if rng.random() >= share:
+        conversation = spec.conversation_id
+        if conversation is not None and conversation in by_conversation:
+            pick = by_conversation[conversation]
+        else:
+            pick = None if rng.random() >= share else rng.randrange(NUM_IMAGES)
+            if conversation is not None:
+                by_conversation[conversation] = pick
+        if pick is None:
             yield spec
             continue
-        pick = rng.randrange(NUM_IMAGES)
         features = dict(spec.features or {})
         features["images"] = [keys[pick]]
         yield RequestSpec(spec.request_id, spec.arrival_s, placeholders[pick] + list(spec.prompt_tokens), spec.sampling,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import json
 import sqlite3
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -20,7 +21,8 @@ from engine.multimodal.limits import ImageSettings
 from engine.multimodal.request_images import RequestImages
 from engine.serve.workload_feed import WorkloadFeed
 from engine.workload.chat import ChatWorkload, with_image_first
-from engine.workload.images import chat_images, image_pool
+from engine.workload.images import chat_images, image_pool, with_images
+from engine.workload.multiturn import MultiTurnWorkload
 from engine.workload.request import WorkloadError
 from telemetry import events as ev
 from tests.engine.ep_process import engine
@@ -125,3 +127,22 @@ def test_the_default_run_exercises_the_encoder_its_cache_and_image_spans(served)
     run_id = db.execute("SELECT run_id FROM runs").fetchone()["run_id"]
     window = timeline_window(served, run_id, 3600.0)
     assert set(window.encoder["kind"]) == {ev.EVENT_ENCODER_RUN, ev.EVENT_ENCODER_HIT}
+
+
+def test_a_conversations_turns_share_its_first_turns_image_so_each_turn_still_prefixes_the_next():
+    """--workload multiturn on a vision checkpoint: an image drawn per turn ended each turn's shared
+    prefix at its first token; a conversation keeps the image (or none) its first turn drew."""
+    specs = MultiTurnWorkload(vocab_size=250, num_conversations=16, num_turns=3, seed=SEED).requests()
+    attached = list(with_images(specs, request_images(), 0.5, SEED))
+    by_turn = {(s.conversation_id, s.turn): s for s in attached}
+    drawn: dict[int, set] = {}
+    for spec in attached:
+        drawn.setdefault(spec.conversation_id, set()).add(tuple((spec.features or {}).get("images", ())))
+        if spec.turn:
+            earlier = by_turn[(spec.conversation_id, spec.turn - 1)]
+            assert spec.prompt_tokens[:len(earlier.prompt_tokens)] == earlier.prompt_tokens
+    assert all(len(images) == 1 for images in drawn.values())
+    assert {bool(next(iter(images))) for images in drawn.values()} == {True, False}  # some with, some without
+    # Requests outside a conversation still draw one by one, as before.
+    lone = [replace(s, conversation_id=None, turn=0) for s in specs]
+    assert len({tuple((s.features or {}).get("images", ())) for s in with_images(lone, request_images(), 0.5, SEED)}) > 2
