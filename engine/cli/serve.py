@@ -10,11 +10,19 @@ from engine.cli.kv_cache_args import add_kv_cache_args
 from engine.distributed import launch
 from engine.model.cpu_features import DTYPE_CHOICES
 from engine.model.reproducible import NUMERICS_CHOICES
+from engine.multimodal.limits import ImageError, ImageLimits, parse_mm_limits
 from engine.serve import process
 from telemetry.cli_args import bounded_float, bounded_int
 
 MAX_KV_BLOCKS = 1 << 22   # 64M tokens of 16: beyond it the cache cannot be allocated anyway
 MAX_SSM_SLOTS = 4096
+
+
+def mm_limits(text: str) -> ImageLimits:
+    try:
+        return parse_mm_limits(text)
+    except ImageError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_parser(subparsers) -> None:
@@ -31,6 +39,9 @@ def add_parser(subparsers) -> None:
                    help="share of workload requests with an image in front of the prompt (chat: opening the "
                         "user turn) on a model with a vision tower (tiny-chat, tiny-vl; default 0.5 there, 0 "
                         "otherwise)")
+    p.add_argument("--limit-mm-per-prompt", type=mm_limits, default=None, metavar="JSON",
+                   help='most images per request, as vLLM spells it: \'{"image": N}\' (0-64; 0 refuses images; '
+                        'default 4) on a model with a vision tower')
     p.add_argument("--requests", type=cli_args.positive_int, default=None,
                    help="stop after this many requests (default: endless)")
     p.add_argument("--duration", type=cli_args.positive_float, default=None, help="stop after this many seconds")

@@ -19,11 +19,40 @@ class ImageError(ValueError):
     """An image a request carried cannot be used (not an image, too large, ...)."""
 
 
+MAX_IMAGES_CEILING = 64   # --limit-mm-per-prompt's highest image count: each one is encoded at submit
+
+
 @dataclass(frozen=True)
 class ImageLimits:
-    max_images: int = 4              # per request
+    max_images: int = 4              # per request (serve --limit-mm-per-prompt '{"image": N}')
     max_bytes: int = 512 * 1024      # per encoded image (base64 makes it 4/3 of that: under the 1 MiB body)
     max_pixels: int = 4096 * 4096    # per decoded image, before resizing
+
+    def to_dict(self) -> dict[str, int]:
+        return {"max_images": self.max_images, "max_bytes": self.max_bytes, "max_pixels": self.max_pixels}
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "ImageLimits":
+        """A run config's ``image_limits`` (what a replay must accept again)."""
+        return cls(**{k: int(raw[k]) for k in ("max_images", "max_bytes", "max_pixels") if k in raw})
+
+
+def parse_mm_limits(text: str) -> ImageLimits:
+    """``--limit-mm-per-prompt`` as vLLM spells it: a JSON object of modality -> most items per request.
+    Only images here (``{"image": N}``, 0 <= N <= 64; 0 refuses images); anything else is an ImageError."""
+    try:
+        raw = json.loads(text)
+    except ValueError:
+        raise ImageError(f"not a JSON object: {text[:60]!r} (e.g. '{{\"image\": 2}}')") from None
+    if not isinstance(raw, dict):
+        raise ImageError(f"not a JSON object: {text[:60]!r} (e.g. '{{\"image\": 2}}')")
+    others = sorted(set(raw) - {"image"})
+    if others:
+        raise ImageError(f"only image inputs are served, not {', '.join(map(repr, others))[:80]}")
+    count = raw.get("image", ImageLimits.max_images)
+    if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= MAX_IMAGES_CEILING:
+        raise ImageError(f"image: the count must be an integer 0-{MAX_IMAGES_CEILING}, got {str(count)[:40]}")
+    return ImageLimits(max_images=count)
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from engine.model.fault import ForwardFault
 from engine.model.reproducible import NATIVE
 from engine.replay.compare import ReplayedRequest, ReplayedRun
 from engine.multimodal.image_store import IMAGES_DIR, ImageStore
+from engine.multimodal.limits import ImageLimits
 from engine.replay.record import RecordedRun, ReplayInputError, load_recorded_run
 from engine.replay.run_dtype import replay_dtype
 from engine.scheduler.request_features import CLIENT_DISCONNECTED
@@ -147,7 +148,8 @@ def replay_run(recorded: RecordedRun, *, model: str = "tiny", flips: dict[str, A
                          emit=collect,  # only the rows a comparison needs are kept
                          fault=ForwardFault.parse(config["fault_forward"]) if config.get("fault_forward") else None,
                          kv_cache=kv_cache if kv_cache is not None else recorded_kv_cache(config),
-                         numerics=numerics or recorded_numerics(config), image_store=image_store)
+                         numerics=numerics or recorded_numerics(config), image_store=image_store,
+                         image_limits=ImageLimits.from_dict(config["image_limits"]) if "image_limits" in config else None)
     sched = setup.scheduler
     replay_flips.check_model_can_honour(flips, setup.model)
     submitted, levers = drive(sched, recorded, flips, cut_at_tick=None if flips else recorded.num_ticks,

@@ -25,6 +25,7 @@ from engine.model import tiny
 from engine.model.roofline import MachineRates, measure_rates
 from engine.model.runner import ModelRunner
 from engine.multimodal.image_store import ImageStore
+from engine.multimodal.limits import ImageLimits
 from engine.multimodal.request_images import RequestImages
 from engine.scheduler.loop import Scheduler
 from telemetry.events import RunStarted
@@ -69,7 +70,7 @@ def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: Lev
                  fault: ForwardFault | None = None, kv_cache: dict[str, Any] | None = None,
                  ep_size: int = 1, compile: str = "off", compile_warmup: bool = True,
                  measure_roofline: bool = False, numerics: str = "native",
-                 image_store: ImageStore | None = None) -> EngineSetup:
+                 image_store: ImageStore | None = None, image_limits: ImageLimits | None = None) -> EngineSetup:
     """``fault``: the test-only forward fault hook (``engine/model/fault.py``), recorded in the config.
     ``kv_cache``: ``kv_cache_options`` (format, byte budget, InnerQ windows), recorded in the config.
     ``dtype``: a torch dtype, or a ``--dtype`` choice ('auto' picks by the CPU's flags, cpu_features.py).
@@ -79,7 +80,8 @@ def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: Lev
     ``measure_roofline``: time this machine's GEMM rate and read bandwidth once (``serve``), so every tick
     records its forwards' roofline time; the rates go in the config (``roofline_rates``, ``log_roofline``).
     ``image_store``: where a vision checkpoint's requests find their images by content hash (a run's
-    ``images/``; default: in memory).
+    ``images/``; default: in memory). ``image_limits``: what a request's images may be (default
+    ``ImageLimits()``; on a text-only model a ValueError), recorded in a vision model's config.
     ``numerics``: 'reproducible' builds and steps the engine inside ``engine/model/reproducible.py``'s mode
     (the compiled decode step off: its kernels are per-ISA), recorded in the config as ``numerics``.
     """
@@ -109,6 +111,9 @@ def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: Lev
                                    block_size=BLOCK_SIZE, device=device, dtype=dtype, fault=fault,
                                    kv_quant=kv_quant_config(kv_cache), kv_budget_bytes=budget_bytes(kv_cache),
                                    compile=compile_settings)
+    images = RequestImages.for_model(model, directory, image_store, image_limits or ImageLimits())
+    if image_limits is not None and images is None:
+        raise ValueError(f"--limit-mm-per-prompt: {model_name} has no vision tower (it takes no images)")
     grammars = None
     if tokenizer is not None:
         from engine.grammar.compiler import GrammarCompiler
@@ -117,7 +122,7 @@ def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: Lev
     scheduler = Scheduler(runner, levers, emit=emit, run_seed=seed, prefix_cache=prefix_cache,
                           detokenize=tokenizer.decode if tokenizer is not None else None, grammars=grammars,
                           machine_rates=rates, numerics=numerics,
-                          images=RequestImages.for_model(model, directory, image_store))
+                          images=images)
     engine_config = {"numerics": numerics, "kv_blocks": kv_blocks, "block_size": BLOCK_SIZE, "ssm_slots": ssm_slots,
                      "device": device, "dtype": str(dtype).removeprefix("torch."), "seed": seed,
                      "dtype_choice": dtype_choice, "cpu_model": cpu_model(), "cpu_isa": isa_summary(cpu_flags()),
@@ -128,7 +133,8 @@ def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: Lev
                      # Paged K/V layers (full attention + the MTP module's) and their bytes.
                      "kv_layers": len(model.kv_layer_ids), "kv_bytes": runner.pools.kv_store.num_bytes,
                      **_kv_kind(model),
-                     "mtp_layers": len(model.mtp.layers) if model.has_mtp_head else 0}
+                     "mtp_layers": len(model.mtp.layers) if model.has_mtp_head else 0,
+                     **({"image_limits": images.limits.to_dict()} if images is not None else {})}
     engine_config["compile"] = _compile_description(runner, compile, compile_settings, ssm_slots, compile_warmup)
     if fault is not None:
         engine_config["fault_forward"] = fault.describe()

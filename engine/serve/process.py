@@ -66,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
                          levers=base_levers, seed=args.seed, prefix_cache=args.prefix_cache,
                          threads=args.threads, fault=fault, kv_cache=kv_cache_options(args), dtype=args.dtype,
                          ep_size=args.ep, compile=args.compile, measure_roofline=True,
-                         numerics=args.numerics, image_store=ImageStore(run_dir / IMAGES_DIR))
+                         numerics=args.numerics, image_store=ImageStore(run_dir / IMAGES_DIR),
+                         image_limits=args.limit_mm_per_prompt)
     feed = WorkloadFeed.from_args(args, setup)   # a bad workload fails in one line, before any rank starts
     ep_run, start_failure = None, None
     if args.ep > 1:

@@ -86,13 +86,17 @@ class WorkloadFeed:
 
 def image_share(args: Any, setup: Any) -> float:
     """``--image-share``: the share of workload requests with an image (default: half on a checkpoint with
-    a vision tower, none otherwise); a share on a text-only model is a one-line error."""
+    a vision tower that takes images, none otherwise); a share on a text-only model, or with
+    ``--limit-mm-per-prompt '{"image": 0}'``, is a one-line error."""
     share = getattr(args, "image_share", None)
-    has_tower = getattr(getattr(setup, "scheduler", None), "images", None) is not None
+    images = getattr(getattr(setup, "scheduler", None), "images", None)
+    takes_images = images is not None and images.limits.max_images > 0   # --limit-mm-per-prompt image 0: none
     if share is None:
-        return DEFAULT_IMAGE_SHARE if has_tower else 0.0
-    if share and not has_tower:
+        return DEFAULT_IMAGE_SHARE if takes_images else 0.0
+    if share and images is None:
         raise WorkloadError(f"--image-share {share}: the model has no vision tower")
+    if share and not takes_images:
+        raise WorkloadError(f"--image-share {share}: --limit-mm-per-prompt allows no images")
     return share
 
 
