@@ -12,7 +12,9 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ from telemetry.levers import LEVERS_BY_NAME, LeversError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 300.0
+POLL_S = 0.2      # how often a running replay's progress lines are read
 REQUEST_COLUMNS = ("request_id", "tokens_identical", "first_token_diff", "recorded_len", "replayed_len",
                    "status_recorded", "status_replayed")
 
@@ -85,22 +88,55 @@ def parse_report(stdout: str) -> dict[str, Any]:
 
 
 def run_replay(paths: RunPaths, bundle: str | Path, flips: dict[str, Any] | None = None,
-               timeout_s: float = TIMEOUT_S) -> ReplayOutcome:
-    """Run the replay to completion; ReplayCheckError carries the subprocess's one-line message."""
+               timeout_s: float = TIMEOUT_S, on_progress: Callable[[int, int], None] | None = None) -> ReplayOutcome:
+    """Run the replay to completion; ReplayCheckError carries the subprocess's one-line message.
+    ``on_progress(tick, total)``: called as the replay's ``--progress-lines`` arrive (about 4 a second)."""
     flips = dict(flips or {})
-    argv = replay_argv(paths, bundle, flips)
+    argv = replay_argv(paths, bundle, flips) + ["--progress-lines"]
     start = time.monotonic()
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    try:
-        done = subprocess.run(argv, cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, capture_output=True,
-                              text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        raise ReplayCheckError(f"replay did not finish within {timeout_s:g} s") from None
-    except OSError as exc:
-        raise ReplayCheckError(f"cannot start the replay: {exc}") from None
-    if done.returncode != 0:
-        raise ReplayCheckError(f"replay failed (exit {done.returncode}): {_last_line(done.stderr)[:500]}")
-    return ReplayOutcome(parse_report(done.stdout), flips, str(argv[4]), time.monotonic() - start)
+    # Both streams to files, polled: a pipe the dashboard did not drain could block the replay.
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        try:
+            proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                    text=True)
+        except OSError as exc:
+            raise ReplayCheckError(f"cannot start the replay: {exc}") from None
+        shown = None
+        while proc.poll() is None:
+            if time.monotonic() - start > timeout_s:
+                proc.kill()
+                proc.wait()
+                raise ReplayCheckError(f"replay did not finish within {timeout_s:g} s")
+            time.sleep(POLL_S)
+            shown = _report_progress(err, shown, on_progress)
+        _report_progress(err, shown, on_progress)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if proc.returncode != 0:
+        raise ReplayCheckError(f"replay failed (exit {proc.returncode}): {_last_line(_without_progress(stderr))[:500]}")
+    return ReplayOutcome(parse_report(stdout), flips, str(argv[4]), time.monotonic() - start)
+
+
+def _report_progress(err, shown, on_progress) -> tuple[int, int] | None:
+    """The newest ``progress TICK TOTAL`` line in the stderr file, passed on when it moved."""
+    if on_progress is None:
+        return shown
+    err.seek(0)
+    newest = None
+    for line in err.read().splitlines():
+        words = line.split()
+        if len(words) == 3 and words[0] == "progress" and words[1].isdigit() and words[2].isdigit():
+            newest = (int(words[1]), int(words[2]))
+    if newest is not None and newest != shown:
+        on_progress(*newest)
+        return newest
+    return shown
+
+
+def _without_progress(stderr: str) -> str:
+    return "\n".join(line for line in stderr.splitlines() if not line.startswith("progress "))
 
 
 def headline(report: dict[str, Any]) -> tuple[str, str]:

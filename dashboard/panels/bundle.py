@@ -87,14 +87,19 @@ def _value_widget(name: str) -> Any:
 
 def _run(ctx: RunContext, bundle: str, flips: dict[str, Any]) -> None:
     what = ", ".join(f"{k}={v}" for k, v in flips.items()) or "no flip"
-    with st.status(f"Replaying {bundle.rsplit('/', 1)[-1]} ({what})…", expanded=False) as status:
+    with st.status(f"Replaying {bundle.rsplit('/', 1)[-1]} ({what})…", expanded=True) as status:
+        bar = st.progress(0.0, text="starting the replay (loading the model)…")
+
+        def show(tick: int, total: int) -> None:
+            bar.progress(min(1.0, tick / total) if total else 0.0, text=f"tick {tick:,} of {total:,}")
+
         try:
-            outcome = replay_check.run_replay(ctx.paths, bundle, flips)
+            outcome = replay_check.run_replay(ctx.paths, bundle, flips, on_progress=show)
         except replay_check.ReplayCheckError as exc:
-            status.update(label="Replay failed", state="error")
+            status.update(label="Replay failed", state="error", expanded=False)
             st.session_state[RESULT_KEY] = {"error": str(exc), "flips": flips, "bundle": bundle}
             return
-        status.update(label=f"Replay done in {outcome.seconds:.1f} s", state="complete")
+        status.update(label=f"Replay done in {outcome.seconds:.1f} s", state="complete", expanded=False)
     st.session_state[RESULT_KEY] = {"report": outcome.report, "flips": flips, "bundle": outcome.bundle,
                                     "seconds": outcome.seconds}
 

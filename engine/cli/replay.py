@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from typing import Any
 
 from tqdm import tqdm
@@ -33,6 +34,8 @@ def add_parser(subparsers) -> None:
                    help="default: the run's own mode (reproducible when serve ran with --numerics reproducible, "
                         "which replays identically on any CPU family); native turns it off")
     add_kv_cache_args(p, from_run=True)
+    p.add_argument("--progress-lines", action="store_true",
+                   help="print 'progress TICK TOTAL' lines on stderr as it runs (what the dashboard's bar reads)")
     p.add_argument("--ignore-checkpoint-hash", action="store_true",
                    help="replay even when the checkpoint differs from the recorded one (warns)")
     p.set_defaults(func=run)
@@ -63,6 +66,27 @@ def numerics_note(recorded: str, used: str) -> str:
             "serve --numerics reproducible for a bundle another CPU replays identically")
 
 
+class ProgressLines:
+    """``progress TICK TOTAL`` on stderr, at most every ``every_s`` seconds and once at the end."""
+
+    def __init__(self, total: int, every_s: float = 0.25):
+        self.total, self.every_s, self.last_s, self.at = total, every_s, 0.0, 0
+
+    def tick(self, tick: int) -> None:
+        self.at = max(self.at, tick)
+        now = time.monotonic()
+        if now - self.last_s >= self.every_s:
+            self.last_s = now
+            self._print()
+
+    def done(self) -> None:
+        self.at = max(self.at, self.total)
+        self._print()
+
+    def _print(self) -> None:
+        print(f"progress {min(self.at, self.total) if self.total else self.at} {self.total}", file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     if (args.bundle is None) == (args.run_dir is None):
         raise ValueError("give what to replay once: a bundle .zip / telemetry.db / run directory, or --run-dir DIR")
@@ -76,12 +100,21 @@ def run(args: argparse.Namespace) -> int:
     for warning in warnings:
         print(warning, file=sys.stderr)
     numerics = args.numerics or recorded_numerics(recorded.config)
-    # A tick bar on stderr while it runs (none when stderr is not a terminal: the dashboard, scripts).
-    with tqdm(total=recorded.num_ticks or None, desc="replay", unit="tick", file=sys.stderr, disable=None,
-              leave=False) as bar:
+    # A tick bar on stderr while it runs (none when stderr is not a terminal: the dashboard, scripts),
+    # or with --progress-lines plain lines a reader parses.
+    lines = ProgressLines(recorded.num_ticks) if args.progress_lines else None
+    with tqdm(total=recorded.num_ticks or None, desc="replay", unit="tick", file=sys.stderr,
+              disable=None if lines is None else True, leave=False) as bar:
+        def progress(tick: int) -> None:
+            bar.update(max(0, tick + 1 - bar.n))
+            if lines is not None:
+                lines.tick(tick + 1)
+
         replayed = replay_run(recorded, model=model, flips=flips, numerics=numerics,
                               kv_cache=kv_cache_options(args, recorded_kv_cache(recorded.config)),
-                              progress=lambda tick: bar.update(max(0, tick + 1 - bar.n)))
+                              progress=progress)
+    if lines is not None:
+        lines.done()
     # after the replay ran: a dtype it refuses is the only line a refused replay prints
     print(numerics_note(recorded_numerics(recorded.config), numerics), file=sys.stderr)
     report = compare(recorded, replayed)

@@ -163,3 +163,16 @@ def test_replay_failure_shows_the_one_line_error(real_app, real_run_dir):
     finally:
         broken.unlink()
 
+
+
+def test_the_replay_check_reports_its_progress_tick_by_tick(real_run_dir):
+    """The Runs page's bar: ``engine replay --progress-lines`` read while it runs, up to the recorded ticks."""
+    paths = RunPaths(real_run_dir.run_dir)
+    bundle = bundles.build_bundle(paths, 1).path
+    seen: list[tuple[int, int]] = []
+    outcome = replay_check.run_replay(paths, bundle, on_progress=lambda tick, total: seen.append((tick, total)))
+    assert outcome.report["tokens_identical"]
+    num_ticks = real_run_dir.one("SELECT COUNT(*) FROM ticks")
+    assert seen and seen[-1] == (num_ticks, num_ticks), seen[-3:]
+    assert [tick for tick, _ in seen] == sorted(tick for tick, _ in seen)
+    assert {total for _, total in seen} == {num_ticks}
