@@ -11,10 +11,9 @@ import torch
 from engine.cli.compile_args import add_compile_args
 from engine.cache.kv_options import budget_bytes, kv_quant_config
 from engine.cli import args as cli_args
+from engine.cli.generate_grammar import grammar_from_args, grammar_state
 from engine.cli.kv_cache_args import add_kv_cache_args, kv_cache_options
 from engine.grammar import masks
-from engine.grammar.compiler import GrammarCompiler
-from engine.grammar.spec import GrammarSpec
 from engine.distributed import launch
 from engine.model.compiled_decode import CompileSettings, resolve_compile, use_persistent_cache
 from engine.model.loader import load_model
@@ -90,7 +89,7 @@ def generate(model, tokenizer, prompt: list[int], params: SamplingParams, stop_a
     runner.pools.admit(seq)
     eos_ids = {model.eos_token_id} if model.eos_token_id is not None else set()
     generator = make_generator(params.seed)
-    state = _grammar_state(model, tokenizer, grammar) if grammar is not None else None
+    state = grammar_state(model, tokenizer, grammar) if grammar is not None else None
     finish = "length"
     logits = None
     for offset in range(0, len(prompt), PREFILL_CHUNK):
@@ -124,36 +123,6 @@ def generate(model, tokenizer, prompt: list[int], params: SamplingParams, stop_a
         result["compile"] = {"backend": compiled.settings.backend, "compile_s": round(compiled.compile_seconds, 3),
                              "num_graphs": compiled.num_graphs, "num_recompiles": compiled.num_recompiles}
     return result
-
-
-def _grammar_state(model, tokenizer, grammar: dict):
-    """A compiled matcher for one generation (compiled here: there is no tick loop to keep free)."""
-    if tokenizer is None:
-        raise ValueError("a grammar needs the model's tokenizer.json")
-    compiler = GrammarCompiler.for_model(model, tokenizer, model.config.vocab_size)
-    try:
-        return compiler.new_state(compiler.compile_now(GrammarSpec.parse(grammar)))
-    finally:
-        compiler.close()
-
-
-def grammar_from_args(args: argparse.Namespace) -> dict | None:
-    """--json-schema FILE | --regex R | --choice a,b as a request's grammar dict (None without one)."""
-    given = [name for name in ("json_schema", "regex", "choice") if getattr(args, name, None) is not None]
-    if len(given) > 1:
-        raise ValueError("give at most one of --json-schema, --regex and --choice")
-    if args.json_schema is not None:
-        path = Path(args.json_schema)
-        try:
-            schema = json.loads(path.read_text(encoding="utf-8"))
-        except ValueError as exc:
-            raise ValueError(f"--json-schema {path}: not valid JSON ({exc})") from None
-        return {"kind": "json_schema", "value": schema}
-    if args.regex is not None:
-        return {"kind": "regex", "value": args.regex}
-    if args.choice is not None:
-        return {"kind": "choice", "value": [c for c in args.choice.split(",") if c]}
-    return None
 
 
 def generate_speculative(model, tokenizer, prompt: list[int], params: SamplingParams, speculation: str,
