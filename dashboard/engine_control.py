@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import shlex
 import signal
 import subprocess
 import sys
@@ -19,15 +17,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dashboard.engine_api_options import ApiOptionError, ApiOptions
 from dashboard.paths import PathOutsideRunDir, RunPaths, inside_run_dir
 from telemetry.procs import is_zombie
 
 BUILTIN_MODELS = ("tiny", "tiny-chat")
 WORKLOADS = ("synthetic", "chat", "multiturn")
 MAX_RATE = 1000.0
-DEFAULT_API_HOST = "127.0.0.1"
-_PORT = re.compile(r"[0-9]{1,5}")
-_HOST = re.compile(r"[A-Za-z0-9\[][A-Za-z0-9.:\-\[\]]{0,252}")   # a name, IPv4 or IPv6 address: never an option or a space
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -43,9 +39,8 @@ class EngineStatus:
     note: str                      # one human sentence: why we think so
 
 
-def engine_argv(paths: RunPaths, model: str, workload: str, rate: float, api_port: str | int | None = None,
-                api_host: str = DEFAULT_API_HOST) -> list[str]:
-    """Validate the form fields and build the engine command line (``api_port`` blank or None: no API)."""
+def engine_argv(paths: RunPaths, model: str, workload: str, rate: float) -> list[str]:
+    """Validate the form fields and build the engine command line."""
     if workload not in WORKLOADS:
         raise EngineControlError(f"workload {workload!r} is not one of {', '.join(WORKLOADS)}")
     try:
@@ -66,42 +61,8 @@ def engine_argv(paths: RunPaths, model: str, workload: str, rate: float, api_por
         if not is_dir:
             raise EngineControlError(f"model: {model_dir} is not a directory")
         model = str(model_dir)
-    argv = [sys.executable, "-m", "engine", "serve", "--model", model, "--run-dir", str(paths.run_dir),
+    return [sys.executable, "-m", "engine", "serve", "--model", model, "--run-dir", str(paths.run_dir),
             "--workload", workload, "--rate", f"{rate:g}"]
-    port = _api_port(api_port)
-    if port is not None:
-        if not _HOST.fullmatch(api_host or ""):
-            raise EngineControlError(f"API host {_shown(api_host)} is not a host name or address")
-        argv += ["--api-port", str(port), "--api-host", api_host]
-    return argv
-
-
-def _api_port(value: str | int | None) -> int | None:
-    """A port 1-65535 typed as ASCII digits; blank or None: no API."""
-    text = "" if value is None else str(value).strip()
-    if not text:
-        return None
-    if not _PORT.fullmatch(text) or not 1 <= int(text) <= 65535:
-        raise EngineControlError(f"API port {_shown(text)} is not a port number (1-65535), or leave it blank")
-    return int(text)
-
-
-def _shown(text: str) -> str:
-    return repr(text if len(text) <= 40 else text[:40] + "...")
-
-
-def api_options(command_line: str | None) -> tuple[str, str]:
-    """(port, host) of ``--api-port`` / ``--api-host`` in a run's recorded command line ("" port: none)."""
-    try:
-        words = shlex.split(command_line or "")
-    except ValueError:       # a recorded line that does not split: start without the API
-        return "", DEFAULT_API_HOST
-    found = {"--api-port": "", "--api-host": DEFAULT_API_HOST}
-    for i, word in enumerate(words):
-        name, eq, value = word.partition("=")
-        if name in found:
-            found[name] = value if eq else (words[i + 1] if i + 1 < len(words) else found[name])
-    return found["--api-port"], found["--api-host"]
 
 
 def _proc_cmdline(pid: int) -> tuple[str, ...] | None:
@@ -145,15 +106,17 @@ def engine_status(paths: RunPaths) -> EngineStatus:
     return EngineStatus(True, pid, argv, f"engine running as pid {pid}")
 
 
-def launch(paths: RunPaths, argv: list[str]) -> int:
-    """Start ``argv`` in the background in its own session; record it in the pid file."""
+def launch(paths: RunPaths, argv: list[str], env: dict[str, str] | None = None) -> int:
+    """Start ``argv`` in the background in its own session (``env``: added to this process's
+    environment); record it in the pid file."""
     status = engine_status(paths)
     if status.is_running:
         raise EngineControlError(f"an engine is already running (pid {status.pid}); stop it first")
     paths.run_dir.mkdir(parents=True, exist_ok=True)
     with open(paths.engine_log, "ab") as log:
         proc = subprocess.Popen(argv, cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+                                stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **env} if env else None)
     tmp = paths.pid_file.with_suffix(".tmp")
     tmp.write_text(json.dumps({"pid": proc.pid, "argv": argv, "started_at": time.time()}))
     os.replace(tmp, paths.pid_file)
@@ -161,8 +124,14 @@ def launch(paths: RunPaths, argv: list[str]) -> int:
 
 
 def start_engine(paths: RunPaths, model: str = "tiny", workload: str = "synthetic", rate: float = 4.0,
-                 api_port: str | int | None = None, api_host: str = DEFAULT_API_HOST) -> int:
-    return launch(paths, engine_argv(paths, model, workload, rate, api_port, api_host))
+                 api: ApiOptions = ApiOptions(), api_port: str | int | None = None, api_key: str = "") -> int:
+    """Start an engine; with ``api_port`` (blank: none) it serves the API with ``api``'s other options."""
+    argv = engine_argv(paths, model, workload, rate)
+    try:
+        api_argv, env = api.argv_and_env(api_port, api_key)
+    except ApiOptionError as exc:
+        raise EngineControlError(str(exc)) from None
+    return launch(paths, argv + api_argv, env)
 
 
 def stop_engine(paths: RunPaths, timeout_s: float = 10.0) -> str:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import streamlit as st
 
 from dashboard import context, engine_control, fragment_timing
+from dashboard.engine_api_options import ApiOptions
 from dashboard.context import RunContext
 from dashboard.paths import RunPaths
 
@@ -48,22 +49,28 @@ def render(paths: RunPaths, ctx: RunContext | None) -> None:
 
 def start_form(paths: RunPaths, ctx: RunContext | None, crashed: bool) -> None:
     """Start an engine; after a crash the form is open and holds the crashed run's model, workload, rate
-    and API port (./run.sh's engine serves the API: the restarted one does too, where the user's clients are)."""
+    and API options (./run.sh's engine serves the API: the restarted one does too, where the user's
+    clients are; a run that required an API key asks for it again, since the run never records it)."""
     settings = restart_settings(ctx.run if ctx is not None else {})
+    api = settings.api
     with st.expander("Restart the engine" if crashed else "Start an engine", expanded=ctx is None or crashed):
         with st.form("engine_start"):
-            cols = st.columns(4)
+            cols = st.columns(5 if api.needs_key else 4)
             model = cols[0].text_input("model", value=settings.model,
-                                       help="'tiny', 'tiny-chat' or a checkpoint directory inside the run directory")
+                                       help="'tiny', 'tiny-chat' or a checkpoint directory "
+                                            "inside the run directory")
             workload = cols[1].selectbox("workload", engine_control.WORKLOADS,
                                          index=engine_control.WORKLOADS.index(settings.workload))
             rate = cols[2].number_input("rate (requests/s)", min_value=0.1, max_value=engine_control.MAX_RATE,
                                         value=settings.rate, step=0.5)
-            api_port = cols[3].text_input("API port", value=settings.api_port, max_chars=5,
-                                          help=f"the OpenAI-compatible API on {settings.api_host}; blank: no API")
+            api_port = cols[3].text_input("API port", value=api.port, max_chars=5,
+                                          help=f"the OpenAI-compatible API on {api.host}; blank: no API")
+            api_key = cols[4].text_input("API key", type="password",
+                                         help="the crashed run required one; it is never recorded") \
+                if api.needs_key else ""
             if st.form_submit_button("Restart engine" if crashed else "Start engine"):
                 try:
-                    pid = engine_control.start_engine(paths, model, workload, rate, api_port, settings.api_host)
+                    pid = engine_control.start_engine(paths, model, workload, rate, api, api_port, api_key)
                 except engine_control.EngineControlError as exc:
                     st.error(f"Not started: {exc}")
                 else:
@@ -76,13 +83,12 @@ class StartSettings:
     model: str
     workload: str
     rate: float
-    api_port: str = ""                                  # "": no API
-    api_host: str = engine_control.DEFAULT_API_HOST
+    api: ApiOptions = ApiOptions()
 
 
 def restart_settings(run: dict) -> StartSettings:
     """The start form's values: the run's own where the form can start them, else the defaults (a run of a
-    model the form cannot name starts the tiny model); the API port and host from its command line."""
+    model the form cannot name starts the tiny model); the API options from its command line."""
     workload = run.get("workload") or {}
     model = run.get("model") if run.get("model") in engine_control.BUILTIN_MODELS else "tiny"
     kind = workload.get("kind") if workload.get("kind") in engine_control.WORKLOADS else "synthetic"
@@ -91,5 +97,4 @@ def restart_settings(run: dict) -> StartSettings:
     except (TypeError, ValueError):
         rate = 4.0
     rate = rate if 0.1 <= rate <= engine_control.MAX_RATE else 4.0
-    api_port, api_host = engine_control.api_options(run.get("command_line"))
-    return StartSettings(model, kind, rate, api_port, api_host)
+    return StartSettings(model, kind, rate, ApiOptions.from_command_line(run.get("command_line")))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,25 @@ DEFAULT_MAX_WAITING = 256
 FIRST_TOKEN_EVENT = "first_token"   # the RequestEvent kind engine/scheduler/outputs.append_token emits
 
 
+API_KEY_ENV = "CHUNKSCOPE_API_KEY"   # the key without putting it on the command line (how the dashboard passes it)
+REDACTED = "<redacted>"
+
+
+def redacted_command_line(argv: list[str]) -> list[str]:
+    """``argv`` with the API key's value replaced: the command line goes into the run's row and its
+    bundles, and a bug report must not carry the key."""
+    out, hide_next = [], False
+    for word in argv:
+        if hide_next:
+            out.append(REDACTED)
+        elif word.startswith("--api-key="):
+            out.append("--api-key=" + REDACTED)
+        else:
+            out.append(word)
+        hide_next = word == "--api-key"
+    return out
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-port", type=bounded_int(0, 65535), default=None,
                    help="serve the OpenAI-compatible API on this port (0: any free port; default: no API)")
@@ -27,7 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="address the API binds (default 127.0.0.1: this machine only)")
     p.add_argument("--max-waiting", type=bounded_int(1, 1_000_000), default=DEFAULT_MAX_WAITING,
                    help="API requests beyond this many waiting get 429 with Retry-After")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API (default: none)")
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on the API (default: ${API_KEY_ENV}, else none); "
+                        "never recorded: the run's command line shows it as " + REDACTED)
     p.add_argument("--api-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the HTTP frontend in its own process, off the tick loop's GIL (default); "
                         "--no-api-process runs it as a thread of the engine")
@@ -101,7 +123,7 @@ def frontend_config(args: argparse.Namespace, setup) -> FrontendConfig:
                           eos_ids=frozenset(setup.scheduler.eos_ids), tool_call_start_id=model.tool_call_start_id,
                           tool_call_end_id=model.tool_call_end_id, think_end_id=getattr(model, "think_end_id", None),
                           eos_token_id=getattr(model, "eos_token_id", None), host=args.api_host, port=args.api_port,
-                          api_key=args.api_key, max_waiting=args.max_waiting,
+                          api_key=args.api_key or os.environ.get(API_KEY_ENV) or None, max_waiting=args.max_waiting,
                           images=setup.scheduler.images.policy(setup.tokenizer) if setup.scheduler.images else None)
 
 

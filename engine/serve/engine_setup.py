@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from engine.api.launch import redacted_command_line
 from engine.cache.kv_options import budget_bytes, kv_quant_config
 from engine.model.compiled_decode import resolve_compile, use_persistent_cache
 from engine.model.cpu_features import assumed_cpu, cpu_flags, cpu_model, isa_summary, resolve_dtype
@@ -226,8 +227,8 @@ def run_started_row(setup: EngineSetup, args: Any, workload: dict[str, Any], arg
         started_at=time.time(), model=setup.model_name if setup.model_name in EMBEDDED_MODELS else setup.checkpoint_dir.name,
         device=device_description(setup.engine_config["device"]), config=setup.engine_config,
         model_config=model_config, versions=versions(), workload=workload,
-        levers=setup.scheduler.levers.as_dict(), command_line=" ".join(["python -m engine", *argv[1:]])
-        if argv and argv[0].endswith("__main__.py") else " ".join(argv),
+        levers=setup.scheduler.levers.as_dict(), command_line=" ".join(["python -m engine", *redacted_command_line(argv[1:])])
+        if argv and argv[0].endswith("__main__.py") else " ".join(redacted_command_line(argv)),
         checkpoint_hash=checkpoint_hash(setup.checkpoint_dir))
 
 

@@ -79,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
         return _fail_at_start(db_path, setup, args, feed, start_failure, lock)
     log_roofline(setup, log)
     writer, telemetry_error = None, None
+    # Before the API listens: a client that saw it up and sends SIGTERM gets a drained stop, not a kill.
+    stop = _install_stop_handlers()
     api = start_api(args, setup, lambda: writer.num_dropped if writer is not None else 0)
     if api is not None:
         feed.describe_api(api.url)
@@ -92,7 +94,6 @@ def run(args: argparse.Namespace) -> int:
     _log_env_levers(sched)
     watcher = LeverWatcher(run_dir / "levers.json", base_levers)
     stall = StallWatch()
-    stop = _install_stop_handlers()
     status, exit_code = "finished", 0
     t_start = time.monotonic()
 

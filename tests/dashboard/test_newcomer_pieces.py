@@ -9,12 +9,14 @@ import json
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pandas as pd
 import pytest
 
 from dashboard import bundles, engine_control, lever_state
 from dashboard.panels import engine_process, tables
+from dashboard.engine_api_options import ApiOptionError, ApiOptions
 from dashboard.paths import RunPaths
 from dashboard.words import ordinal, plural
 from telemetry.levers import LEVERS, defaults
@@ -88,7 +90,7 @@ def test_counting_words():
 def test_the_restart_form_starts_what_the_crashed_run_ran_where_it_can():
     def settings(run):
         found = engine_process.restart_settings(run)
-        return found.model, found.workload, found.rate, found.api_port, found.api_host
+        return found.model, found.workload, found.rate, found.api.port, found.api.host
 
     assert settings({"model": "tiny", "workload": {"kind": "multiturn", "rate": 8}}) == \
         ("tiny", "multiturn", 8.0, "", "127.0.0.1")
@@ -100,23 +102,31 @@ def test_the_restart_form_starts_what_the_crashed_run_ran_where_it_can():
               "--api-port 8000 --api-host 127.0.0.1")
     assert settings({"model": "tiny-chat", "workload": {"kind": "chat", "rate": 4}, "command_line": run_sh}) == \
         ("tiny-chat", "chat", 4.0, "8000", "127.0.0.1")
-    assert settings({"command_line": "serve --api-port=9001 --api-host=::1"})[3:] == ("9001", "::1")
-    assert settings({"command_line": "serve 'unclosed --api-port 1"})[3:] == ("", "127.0.0.1")
+    assert settings({"command_line": "serve --api-port=0009001 --api-host=::1"})[3:] == ("9001", "::1")
+    assert settings({"command_line": "serve --run-dir /tmp/it's --api-port 7"})[3:] == ("7", "127.0.0.1")
 
 
-def test_the_start_form_passes_a_valid_api_port_and_refuses_others(tmp_path):
-    paths = RunPaths(tmp_path)
-    argv = engine_control.engine_argv(paths, "tiny-chat", "chat", 4, " 8000 ")
-    assert argv[-4:] == ["--api-port", "8000", "--api-host", "127.0.0.1"]
-    assert "--api-port" not in engine_control.engine_argv(paths, "tiny", "chat", 4, "")
-    assert "--api-port" not in engine_control.engine_argv(paths, "tiny", "chat", 4, None)
-    for bad in ("0", "65536", "80a", "-1", "８０００", "1_000", "9" * 5000):
-        with pytest.raises(engine_control.EngineControlError, match="not a port number") as caught:
-            engine_control.engine_argv(paths, "tiny", "chat", 4, bad)
-        assert len(str(caught.value)) < 120
+def test_the_api_options_carry_over_and_a_bad_port_host_or_missing_key_is_refused():
+    recorded = ApiOptions.from_command_line("python -m engine serve --run-dir r --api-port 8000 --api-host 0.0.0.0 "
+                                            "--max-waiting 9 --no-api-process --api-key <redacted>")
+    assert recorded == ApiOptions("8000", "0.0.0.0", "9", separate_process=False, needs_key=True)
+    argv, env = recorded.argv_and_env(" 8000 ", key="s3cret")
+    assert argv == ["--api-port", "8000", "--api-host", "0.0.0.0", "--max-waiting", "9", "--no-api-process"]
+    assert env == {"CHUNKSCOPE_API_KEY": "s3cret"} and "s3cret" not in argv   # the key never on a command line
+    with pytest.raises(ApiOptionError, match="required an API key"):
+        recorded.argv_and_env("8000")
+    assert recorded.argv_and_env("") == ([], {})                             # no API: no key needed
+    assert ApiOptions().argv_and_env("0")[0][:2] == ["--api-port", "0"]       # 0: any free port, as serve takes it
+    for bad in ("65536", "80a", "-1", "８０００", "1_000", "9" * 5000):
+        with pytest.raises(ApiOptionError, match="not a port number") as caught:
+            ApiOptions().argv_and_env(bad)
+        assert len(str(caught.value)) < 140
     for bad_host in ("", "--debug", "a b", "x;rm"):
-        with pytest.raises(engine_control.EngineControlError, match="API host"):
-            engine_control.engine_argv(paths, "tiny", "chat", 4, "8000", bad_host)
+        with pytest.raises(ApiOptionError, match="API host"):
+            ApiOptions(host=bad_host).argv_and_env("8000")
+    # The start form turns the refusal into its one-line error.
+    with pytest.raises(engine_control.EngineControlError, match="not a port number"):
+        engine_control.start_engine(RunPaths(Path("/nonexistent-run-dir")), "tiny", "chat", 4, ApiOptions(), "x")
 
 
 def test_a_killed_engine_is_dead_before_its_parent_reaps_it():
