@@ -95,37 +95,42 @@ def run_replay(paths: RunPaths, bundle: str | Path, flips: dict[str, Any] | None
     argv = replay_argv(paths, bundle, flips) + ["--progress-lines"]
     start = time.monotonic()
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    # Both streams to files, polled: a pipe the dashboard did not drain could block the replay.
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+    # Both streams to files, polled: a pipe the dashboard did not drain could block the replay. The
+    # child shares the stderr file's offset, so the polls read it with pread, never moving it.
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         try:
-            proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                    text=True)
+            proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err)
         except OSError as exc:
             raise ReplayCheckError(f"cannot start the replay: {exc}") from None
-        shown = None
-        while proc.poll() is None:
-            if time.monotonic() - start > timeout_s:
+        try:
+            shown = None
+            while proc.poll() is None:
+                if time.monotonic() - start > timeout_s:
+                    raise ReplayCheckError(f"replay did not finish within {timeout_s:g} s")
+                time.sleep(POLL_S)
+                shown = _report_progress(err, shown, on_progress)
+            _report_progress(err, shown, on_progress)
+            stdout, stderr = _read_all(out), _read_all(err)
+        finally:   # a timeout, or the page rerun while the bar moved: no replay left running unread
+            if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-                raise ReplayCheckError(f"replay did not finish within {timeout_s:g} s")
-            time.sleep(POLL_S)
-            shown = _report_progress(err, shown, on_progress)
-        _report_progress(err, shown, on_progress)
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read(), err.read()
     if proc.returncode != 0:
         raise ReplayCheckError(f"replay failed (exit {proc.returncode}): {_last_line(_without_progress(stderr))[:500]}")
     return ReplayOutcome(parse_report(stdout), flips, str(argv[4]), time.monotonic() - start)
+
+
+def _read_all(file) -> str:
+    """The whole file, read at offset 0 without moving the offset a child process shares."""
+    return os.pread(file.fileno(), os.fstat(file.fileno()).st_size, 0).decode(errors="replace")
 
 
 def _report_progress(err, shown, on_progress) -> tuple[int, int] | None:
     """The newest ``progress TICK TOTAL`` line in the stderr file, passed on when it moved."""
     if on_progress is None:
         return shown
-    err.seek(0)
     newest = None
-    for line in err.read().splitlines():
+    for line in _read_all(err).splitlines():
         words = line.split()
         if len(words) == 3 and words[0] == "progress" and words[1].isdigit() and words[2].isdigit():
             newest = (int(words[1]), int(words[2]))

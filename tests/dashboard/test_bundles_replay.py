@@ -176,3 +176,36 @@ def test_the_replay_check_reports_its_progress_tick_by_tick(real_run_dir):
     assert seen and seen[-1] == (num_ticks, num_ticks), seen[-3:]
     assert [tick for tick, _ in seen] == sorted(tick for tick, _ in seen)
     assert {total for _, total in seen} == {num_ticks}
+
+
+def _replays_of_ours() -> list[int]:
+    """Our live child processes running ``engine replay``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = open(f"/proc/{entry}/stat").read()
+            cmdline = open(f"/proc/{entry}/cmdline", "rb").read().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid() and b"engine replay" in cmdline:
+            found.append(int(entry))
+    return found
+
+
+def test_a_replay_the_page_leaves_or_that_times_out_is_killed_not_orphaned(real_run_dir):
+    """A rerun of the page raises inside the progress callback (Streamlit's RerunException); a timeout
+    raises in the poll: either way the replay subprocess goes with it."""
+    paths = RunPaths(real_run_dir.run_dir)
+    bundle = bundles.build_bundle(paths, 1).path
+
+    def page_rerun(tick, total):
+        raise KeyboardInterrupt("the page reran")
+
+    with pytest.raises(KeyboardInterrupt):
+        replay_check.run_replay(paths, bundle, on_progress=page_rerun)
+    assert _replays_of_ours() == []
+    with pytest.raises(replay_check.ReplayCheckError, match="did not finish within 0.5 s"):
+        replay_check.run_replay(paths, bundle, timeout_s=0.5)
+    assert _replays_of_ours() == []
