@@ -32,14 +32,25 @@ class ImageLimits:
         return {"max_images": self.max_images, "max_bytes": self.max_bytes, "max_pixels": self.max_pixels}
 
     @classmethod
-    def from_dict(cls, raw: dict) -> "ImageLimits":
-        """A run config's ``image_limits`` (what a replay must accept again)."""
-        return cls(**{k: int(raw[k]) for k in ("max_images", "max_bytes", "max_pixels") if k in raw})
+    def from_dict(cls, raw: object) -> "ImageLimits":
+        """A run config's ``image_limits`` (what a replay must accept again); an ImageError names a bad one."""
+        if not isinstance(raw, dict):
+            raise ImageError(f"image_limits: not an object ({type(raw).__name__})")
+        values = {}
+        for name in ("max_images", "max_bytes", "max_pixels"):
+            if name in raw:
+                value = raw[name]
+                if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1 << 40:
+                    raise ImageError(f"image_limits.{name}: not a count ({str(value)[:40]})")
+                values[name] = value
+        return cls(**values)
 
 
 def parse_mm_limits(text: str) -> ImageLimits:
     """``--limit-mm-per-prompt`` as vLLM spells it: a JSON object of modality -> most items per request.
     Only images here (``{"image": N}``, 0 <= N <= 64; 0 refuses images); anything else is an ImageError."""
+    if len(text) > 200:   # also keeps json's recursion on deep nesting out of reach
+        raise ImageError(f"{len(text)} characters: too long for a JSON object like '{{\"image\": 2}}'")
     try:
         raw = json.loads(text)
     except ValueError:

@@ -113,8 +113,9 @@ def build_engine(model_name: str, *, kv_blocks: int, ssm_slots: int, levers: Lev
                                    kv_quant=kv_quant_config(kv_cache), kv_budget_bytes=budget_bytes(kv_cache),
                                    compile=compile_settings)
     images = RequestImages.for_model(model, directory, image_store, image_limits or ImageLimits())
-    if image_limits is not None and images is None:
-        raise ValueError(f"--limit-mm-per-prompt: {model_name} has no vision tower (it takes no images)")
+    if image_limits is not None and images is None:   # serve's --limit-mm-per-prompt, or a vision run's replay
+        raise ValueError(f"image limits given (--limit-mm-per-prompt, or the replayed run's config), but "
+                         f"{model_name} has no vision tower (it takes no images)")
     grammars = None
     if tokenizer is not None:
         from engine.grammar.compiler import GrammarCompiler

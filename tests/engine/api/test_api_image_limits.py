@@ -33,10 +33,16 @@ def test_parse_takes_vllms_form_and_names_what_is_wrong():
     for text, message in (("image=2", "not a JSON object"), ("[2]", "not a JSON object"),
                           ('{"video": 1}', "only image inputs"), ('{"image": 65}', "integer 0-64"),
                           ('{"image": -1}', "integer 0-64"), ('{"image": "2"}', "integer 0-64"),
-                          ('{"image": true}', "integer 0-64"), ("{" * 5000, "not a JSON object")):
+                          ('{"image": true}', "integer 0-64"), ("[" * 3000, "too long"),
+                          ("[" * 150, "not a JSON object")):
         with pytest.raises(ImageError, match=message) as caught:
             parse_mm_limits(text)
         assert len(str(caught.value)) < 160
+    # What a replay reads back from the run's config, checked the same way.
+    assert ImageLimits.from_dict(ImageLimits(5).to_dict()) == ImageLimits(5)
+    for bad in ([], {"max_images": -1}, {"max_images": "4"}, {"max_bytes": True}):
+        with pytest.raises(ImageError, match="image_limits"):
+            ImageLimits.from_dict(bad)
 
 
 @pytest.mark.parametrize("args, message", [
