@@ -6,8 +6,9 @@ With thinking on the template's prompt ends in ``<think>\\n`` and the reply is t
 ``\\n</think>``, then the answer; a JSON answer or a tool call sometimes follows ``</think>`` at
 once, as the grammar that starts there makes it (engine/grammar/matcher.py: no newline first).
 
-Some thoughts carry a copy slip (engine/train/slips.py): one word the thought copies from the
-question swapped for another of its kind, left out of the loss. The model never learns to slip;
+Some thoughts carry slips (engine/train/slips.py): a word of a known kind (a name, city, topic, list
+item, tool name or number, mostly restated from the question) swapped for another of its kind, left
+out of the loss. The model never learns to slip;
 it learns to go on after one, copying from the question again and closing the thought. Sampled at
 temperature 0.7, a tiny model does slip, and without this it wandered off and never wrote
 ``</think>`` (bench/chat_model.py).

@@ -1,7 +1,8 @@
-"""Copy slips: a thought with a word it copies from the question swapped, the swap left out of the loss.
+"""Slips: a thought with a word of a known kind swapped for another, the swap left out of the loss.
 
-A thought restates the question (a name, a city, the words to repeat, a number) before it closes
-with ``</think>``. Sampled at temperature 0.7, tiny-chat sometimes copies one of those words
+A thought restates the question (a name, a city, the words to repeat, a number) and names what it
+picks (list items, a tool, a score) before it closes with ``</think>``; any of those words (a
+listed name, city, topic, weather, thing or tool name, or a number) may be the slipped one. Sampled at temperature 0.7, tiny-chat sometimes copies one of those words
 wrong, and a model that had only ever seen perfect thoughts then wandered: it kept listing
 words, or ended the turn inside the thought. Training on thoughts with a slip in them, the slip
 itself untrained, teaches what to do after one (copy from the question again, finish the thought,
@@ -36,7 +37,7 @@ def _swap(rng: random.Random, word: str) -> str:
 
 
 def with_slip(rng: random.Random, thought: str) -> list[tuple[str, bool]]:
-    """``thought`` as (text, trained) segments with 1 .. MAX_SLIPS copied words swapped and untrained;
+    """``thought`` as (text, trained) segments with 1 .. MAX_SLIPS of its known-kind words swapped and untrained;
     a thought that copies nothing comes back whole."""
     matches = list(_WORD.finditer(thought))
     if not matches:
