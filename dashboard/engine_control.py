@@ -21,7 +21,7 @@ from dashboard.engine_api_options import ApiOptionError, ApiOptions
 from dashboard.paths import PathOutsideRunDir, RunPaths, inside_run_dir
 from telemetry.procs import is_zombie
 
-BUILTIN_MODELS = ("tiny", "tiny-chat")
+BUILTIN_MODELS = ("tiny", "tiny-chat", "tiny-chat-moe")
 WORKLOADS = ("synthetic", "chat", "multiturn")
 MAX_RATE = 1000.0
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -57,7 +57,7 @@ def start_form(paths: RunPaths, ctx: RunContext | None, crashed: bool) -> None:
         with st.form("engine_start"):
             cols = st.columns(5 if api.needs_key else 4)
             model = cols[0].text_input("model", value=settings.model,
-                                       help="'tiny', 'tiny-chat' or a checkpoint directory "
+                                       help="'tiny', 'tiny-chat', 'tiny-chat-moe' or a checkpoint directory "
                                             "inside the run directory")
             workload = cols[1].selectbox("workload", engine_control.WORKLOADS,
                                          index=engine_control.WORKLOADS.index(settings.workload))

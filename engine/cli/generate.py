@@ -160,7 +160,7 @@ def generate_speculative(model, tokenizer, prompt: list[int], params: SamplingPa
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("generate", help="generate a continuation for one prompt")
-    parser.add_argument("--model", default="tiny", help="an embedded model (tiny, tiny-moe, tiny-kimi, tiny-vl) or a local HF checkpoint directory")
+    parser.add_argument("--model", default="tiny", help="an embedded model (tiny, tiny-moe, tiny-kimi, tiny-vl; trained: tiny-chat, tiny-chat-moe) or a local HF checkpoint directory")
     parser.add_argument("--prompt-ids", type=str, default=None, help="comma-separated token ids, e.g. 1,2,3")
     parser.add_argument("--prompt", type=str, default=None, help="prompt text (needs the model's tokenizer)")
     parser.add_argument("--image", action="append", default=[], metavar="PATH",

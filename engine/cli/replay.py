@@ -29,7 +29,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print the comparison as one JSON object")
     p.add_argument("--flip", action="append", default=[], metavar="NAME=VALUE",
                    help="override a lever for the whole replay (repeatable), e.g. bisect_no_mix=true")
-    p.add_argument("--model", default=None, help="an embedded model (tiny, tiny-moe, tiny-kimi, tiny-vl) or a checkpoint directory (default: the run's model when embedded)")
+    p.add_argument("--model", default=None, help="an embedded model (tiny, tiny-moe, tiny-kimi, tiny-vl; trained: tiny-chat, tiny-chat-moe) or a checkpoint directory (default: the run's model when embedded)")
     p.add_argument("--numerics", choices=NUMERICS_CHOICES, default=None,
                    help="default: the run's own mode (reproducible when serve ran with --numerics reproducible, "
                         "which replays identically on any CPU family); native turns it off")

@@ -27,7 +27,7 @@ def mm_limits(text: str) -> ImageLimits:
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("serve", help="run the engine in the background, writing telemetry")
-    p.add_argument("--model", default="tiny", help="an embedded model (tiny: the default, tiny-moe, tiny-kimi, tiny-vl; tiny-chat: trained, what ./run.sh serves) or a checkpoint directory")
+    p.add_argument("--model", default="tiny", help="an embedded model (tiny: the default, tiny-moe, tiny-kimi, tiny-vl; trained: tiny-chat, what ./run.sh serves, and tiny-chat-moe) or a checkpoint directory")
     p.add_argument("--run-dir", required=True, help="directory for telemetry.db and levers.json")
     p.add_argument("--workload", default="synthetic",
                    help="synthetic | chat (chat-template requests: thinking, tools, JSON; needs a tokenizer) | multiturn | trace:PATH | bundle:PATH | none (API traffic only; default synthetic)")

@@ -1,8 +1,10 @@
-"""The embedded ``tiny-chat``: the tiny configuration trained on chat transcripts, shipped in the repo.
+"""The embedded ``tiny-chat`` and ``tiny-chat-moe``: the tiny configurations trained on chat transcripts,
+shipped in the repo.
 
-Its files live in ``engine/model/tiny_chat/`` and are loaded as they are (``./run.sh`` never
-trains); ``python -m engine.train`` reproduces them from the seed. ``manifest.json`` records the
-training settings, the losses and each file's sha256; ``verify_manifest`` checks the files.
+Their files live in ``engine/model/tiny_chat/`` (with a seeded vision tower) and
+``engine/model/tiny_chat_moe/`` (text only) and are loaded as they are (``./run.sh`` never trains);
+``python -m engine.train [--family moe]`` reproduces them from the seed. ``manifest.json`` records
+the training settings, the losses and each file's sha256; ``verify_manifest`` checks the files.
 """
 from __future__ import annotations
 
@@ -13,9 +15,12 @@ from pathlib import Path
 from engine.model.errors import CheckpointError
 
 TINY_CHAT_DIR = Path(__file__).with_name("tiny_chat")
+TINY_CHAT_MOE_DIR = Path(__file__).with_name("tiny_chat_moe")
+SHIPPED_DIRS = {"tiny-chat": TINY_CHAT_DIR, "tiny-chat-moe": TINY_CHAT_MOE_DIR}
 MANIFEST = "manifest.json"
-HASHED_FILES = ("config.json", "model.safetensors", "preprocessor_config.json", "tokenizer.json",
-                "chat_template.jinja", "loss_curve.png")
+# Every shipped model has these; a vision checkpoint also preprocessor_config.json (hashed when present).
+HASHED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja", "loss_curve.png")
+OPTIONAL_HASHED_FILES = ("preprocessor_config.json",)
 
 
 def sha256_of(path: Path) -> str:
@@ -23,7 +28,8 @@ def sha256_of(path: Path) -> str:
 
 
 def write_manifest(directory: Path, record: dict) -> None:
-    hashes = {name: sha256_of(directory / name) for name in HASHED_FILES}
+    names = HASHED_FILES + tuple(n for n in OPTIONAL_HASHED_FILES if (directory / n).is_file())
+    hashes = {name: sha256_of(directory / name) for name in names}
     (directory / MANIFEST).write_text(json.dumps({**record, "sha256": hashes}, indent=2) + "\n")
 
 
@@ -37,7 +43,7 @@ def verify_manifest(directory: Path = TINY_CHAT_DIR) -> None:
         recorded = read_manifest(directory)["sha256"]
     except (OSError, ValueError, KeyError) as err:
         raise CheckpointError(f"{directory / MANIFEST}: unreadable manifest ({err})") from None
-    for name in HASHED_FILES:
+    for name in dict.fromkeys(HASHED_FILES + tuple(recorded)):   # the required files, then any other listed
         path = directory / name
         if not path.is_file():
             raise CheckpointError(f"{path}: missing (the manifest lists it)")
@@ -45,7 +51,8 @@ def verify_manifest(directory: Path = TINY_CHAT_DIR) -> None:
             raise CheckpointError(f"{path}: sha256 differs from {MANIFEST} (retrain with python -m engine.train)")
 
 
-def tiny_chat_dir() -> Path:
-    """The shipped checkpoint directory, after checking its files against the manifest."""
-    verify_manifest()
-    return TINY_CHAT_DIR
+def tiny_chat_dir(name: str = "tiny-chat") -> Path:
+    """The shipped checkpoint directory of ``name``, after checking its files against the manifest."""
+    directory = SHIPPED_DIRS[name]
+    verify_manifest(directory)
+    return directory

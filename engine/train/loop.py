@@ -1,4 +1,5 @@
-"""Training ``tiny-chat``: the tiny Qwen3.5 configuration and its MTP head, from a seed, on CPU.
+"""Training ``tiny-chat``: the tiny Qwen3.5 configuration and its MTP head, from a seed, on CPU
+(``tiny-chat-moe``: tiny-moe's configuration, the same way).
 
 The forward is the serving model's own layers (the same modules, caches and packed batch a
 prefill uses), with the Gated DeltaNet recurrence swapped for its autograd form; one packed
@@ -9,7 +10,7 @@ Deterministic for a seed and a thread count on one machine (float32 throughout).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +21,9 @@ from engine.cache.ssm_pool import SSMPool
 from engine.model.batch import build_batch
 from engine.model.mtp import attach_mtp
 from engine.model.qwen3_5 import Qwen35ForCausalLM
+from engine.model.qwen3_5_moe import Qwen35MoeForCausalLM
 from engine.model.tiny import TINY_CONFIG, random_init
+from engine.model.tiny_moe import TINY_MOE_CONFIG
 from engine.train.corpus import ChatCorpus
 from engine.train.delta_rule import differentiable_gated_delta_rule
 
@@ -40,6 +43,7 @@ class TrainSettings:
     # 1 thread: on the shared 2-core machine 2 threads ran ~10x slower per step under load (OpenMP
     # threads spin against the other jobs), measured with the same sequences.
     threads: int = 1
+    family: str = "dense"        # "dense": tiny-chat (the tiny configuration); "moe": tiny-chat-moe (tiny-moe's)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -51,10 +55,18 @@ class StepLoss:
     mtp: float    # the MTP head's, one token further
 
 
-def build_model(seed: int) -> Qwen35ForCausalLM:
-    """The tiny configuration with an MTP head, seeded as ``tiny`` is, ready for training."""
+# family -> (configuration, model class); tiny-moe's configuration gains the MTP head tiny's has.
+FAMILIES = {"dense": (TINY_CONFIG, Qwen35ForCausalLM),
+            "moe": (replace(TINY_MOE_CONFIG, mtp_num_hidden_layers=1), Qwen35MoeForCausalLM)}
+
+
+def build_model(seed: int, family: str = "dense") -> Qwen35ForCausalLM:
+    """The family's tiny configuration with an MTP head, seeded as ``tiny`` is, ready for training."""
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {family!r}")
+    config, model_class = FAMILIES[family]
     torch.manual_seed(seed)
-    model = Qwen35ForCausalLM(TINY_CONFIG)
+    model = model_class(config)
     random_init(model, seed)
     random_init(attach_mtp(model), seed + 1)
     for layer in model.model.layers:
@@ -107,7 +119,7 @@ def train(settings: TrainSettings, *, steps: int | None = None,
           progress: bool = True) -> tuple[Qwen35ForCausalLM, list[StepLoss]]:
     """Train from the seed; ``steps`` stops early (the schedule stays the full run's)."""
     torch.set_num_threads(settings.threads)
-    model = build_model(settings.seed)
+    model = build_model(settings.seed, settings.family)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.learning_rate, betas=(0.9, 0.95),
                                   weight_decay=0.0)
