@@ -73,6 +73,10 @@ class GatedAttention(nn.Module):
             if out is not None:  # [B, H * D]
                 return self.fused_o(out) if self.fused_o is not None else self.o_proj(out)
         kv.write(self.layer_id, batch.kv_slots, k, v)
+        if batch.decode is None and getattr(batch, "ssm_row_states", None) is not None and type(kv) is KVStore:
+            out = self._verify_attention(q, gate, batch, kv)   # a speculative verify (engine/spec/verify.py)
+            if out is not None:
+                return self.fused_o(out) if self.fused_o is not None else self.o_proj(out)
 
         outputs = []  # gated [rows, H * D]: prefill rows, then decode rows
         split = batch.num_prefill_tokens
@@ -99,6 +103,19 @@ class GatedAttention(nn.Module):
                 return out
         out = self._decode_attention(q, batch, kv) * torch.sigmoid(gate)  # [B, H, D]
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+    def _verify_attention(self, q: torch.Tensor, gate: torch.Tensor, batch: PackedBatch,
+                          kv: KVStore) -> torch.Tensor | None:
+        """A speculative verify's rows q, gate [L, H, D] -> [L, H * D], or None where the kernel does not run.
+
+        Row i attends as the decode step at its position would: through the decode kernel, over
+        positions 0 .. start + i. SDPA over the segment rounds differently, and in bf16 that flipped
+        near-tied tokens, so a speculative run's greedy tokens differed from a plain one's.
+        """
+        seg = batch.prefill
+        tables = seg.block_ids[None].expand(seg.length, -1).contiguous()  # [L, W]: every row the sequence's blocks
+        lens = torch.arange(seg.start + 1, seg.start + seg.length + 1, device=q.device)  # [L]
+        return paged_attention.decode(q, kv.keys[self.layer_id], kv.values[self.layer_id], tables, lens, gate)
 
     def _prefill_attention(self, q: torch.Tensor, batch: PackedBatch, kv: KVStore) -> torch.Tensor:
         seg = batch.prefill
