@@ -10,6 +10,8 @@ scheduler (first-token rules, grammars, stop ids) with the requests the chat wor
    token 0 forced to ``<tool_call>``), thinking off; how many replies hold a tool call that the
    API's parser reads (engine/api/output_parse.py) and whose arguments validate against the
    tool's ``parameters`` schema (jsonschema), closed before ``max_tokens``.
+   Then, with no bar: ``--copy-requests`` greedy questions whose answer must repeat their facts
+   (a name, a number, a city and its weather): how often it does (the tiny models copy poorly).
 3. speculation: the default workload (``--workload chat``, seed 0, its first ``--spec-requests``
    requests, one at a time so every decode step is speculative) under speculation off, ngram,
    mtp and self (ngram at the ``ngram_min_match`` lever's default 1 and at 3, what ./run.sh
@@ -41,7 +43,7 @@ from engine.api.output_parse import parse_reply  # noqa: E402
 from engine.grammar.tools import tool_call_spec  # noqa: E402
 from engine.model.cpu_features import cpu_model  # noqa: E402
 from engine.serve.engine_setup import build_engine  # noqa: E402
-from engine.train.tasks import TOOL_BY_NAME, draw_task, draw_tool_task  # noqa: E402
+from engine.train.tasks import CITIES, NAMES, TOOL_BY_NAME, WEATHER, draw_task, draw_tool_task  # noqa: E402
 from engine.workload.chat import ChatWorkload, task_kind  # noqa: E402
 from telemetry import events as ev  # noqa: E402
 from telemetry.levers import defaults  # noqa: E402
@@ -103,6 +105,29 @@ def tool_requests(setup, template: ChatTemplate, num: int, seed: int) -> tuple[l
     return out, tools
 
 
+def copy_requests(setup, template: ChatTemplate, num: int, seed: int) -> tuple[list[dict], list[list[str]]]:
+    """Greedy questions whose answer must repeat their facts (a name, a number, a city and its weather),
+    thinking on every other one; (requests, the facts each answer must hold)."""
+    rng, im_end = random.Random(f"{seed}:copies"), setup.tokenizer.token_id("<|im_end|>")
+    out, facts = [], []
+    for i in range(num):
+        if i % 3 == 0:
+            name = rng.choice(NAMES)
+            question, want = f"Say hello to {name}.", [name]
+        elif i % 3 == 1:
+            number = rng.randint(0, 999)
+            question, want = f"Write a python function value that returns {number}.", [str(number)]
+        else:
+            city, sky = rng.choice(CITIES), rng.choice(WEATHER)
+            question, want = f"Describe a {sky} day in {city}.", [city, sky]
+        thinking = i % 2 == 0
+        prompt = template.render([{"role": "user", "content": question}], None, enable_thinking=thinking)
+        out.append({"prompt_tokens": setup.tokenizer.encode(prompt), "features": {"enable_thinking": thinking},
+                    "sampling": {"temperature": 0.0, "max_tokens": THINK_BUDGET, "stop_token_ids": [im_end]}})
+        facts.append(want)
+    return out, facts
+
+
 def valid_call(text: str, offered: list[dict]) -> bool:
     reply = parse_reply(text, thinking=False, tools_allowed=True)
     if len(reply.tool_calls) != 1 or reply.tool_call_errors:
@@ -152,12 +177,13 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=100, help="thinking and tool requests, each")
     p.add_argument("--spec-requests", type=int, default=24, help="default-workload requests per speculation kind")
+    p.add_argument("--copy-requests", type=int, default=60, help="greedy questions whose answer must repeat their facts")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default="tiny-chat", help="tiny-chat (default) or a checkpoint directory trained the same way")
     args = p.parse_args()
-    if args.requests < 1 or args.spec_requests < 1:
-        p.error("--requests and --spec-requests must be >= 1")
+    if min(args.requests, args.spec_requests, args.copy_requests) < 1:
+        p.error("--requests, --spec-requests and --copy-requests must be >= 1")
     setup = engine(args.model, "off", args.dtype)
     template = ChatTemplate.for_checkpoint(setup.checkpoint_dir)
     print(f"CPU: {cpu_model()}; dtype {setup.engine_config['dtype']} (--dtype {args.dtype}); model {args.model}")
@@ -177,6 +203,13 @@ def main() -> int:
     tool_share = valid / len(done)
     print(f"tools (tool_choice required): a call that parses and validates in {valid}/{len(done)} "
           f"({valid / len(done):.0%})")
+
+    requests, facts = copy_requests(setup, template, args.copy_requests, args.seed)
+    done = run_all(setup, requests, desc="copies")
+    copied = sum(all(f in setup.tokenizer.decode(q.output_tokens).split("</think>")[-1] for f in want)
+                 for q, want in zip(done, facts))
+    print(f"copies (no bar): the answer repeats the question's name / number / city and weather in "
+          f"{copied}/{len(done)} greedy requests")
 
     table = speculation_table(args.model, args.dtype, args.spec_requests)
     ok = (thinking_share >= 0.9 and tool_share >= 0.9
