@@ -10,7 +10,7 @@ command line. Pure: the start form (``panels/engine_process.py``) calls it.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 DEFAULT_HOST = "127.0.0.1"
 API_KEY_ENV = "CHUNKSCOPE_API_KEY"          # engine/api/launch.py reads it when --api-key is not given
@@ -31,11 +31,21 @@ class ApiOptions:
     needs_key: bool = False       # the run required an API key (recorded redacted)
 
     @classmethod
+    def from_run(cls, run: dict) -> "ApiOptions":
+        """From the run's row: its command line, and ``workload.api_key_required`` (set however the key
+        was given: on the command line, or in the environment as a dashboard restart passes it)."""
+        options = cls.from_command_line(run.get("command_line"))
+        workload = run.get("workload") if isinstance(run.get("workload"), dict) else {}
+        return replace(options, needs_key=options.needs_key or workload.get("api_key_required") is True)
+
+    @classmethod
     def from_command_line(cls, line: str | None) -> "ApiOptions":
         words = (line or "").split()
         found: dict[str, str] = {}
         for i, word in enumerate(words):
             name, eq, value = word.partition("=")
+            if len(name) >= len("--api-k") and "--api-key".startswith(name):   # argparse takes a prefix
+                name = "--api-key"
             if name in ("--api-port", "--api-host", "--max-waiting", "--api-key"):
                 found[name] = value if eq else (words[i + 1] if i + 1 < len(words) else "")
         port = found.get("--api-port", "")
@@ -43,11 +53,12 @@ class ApiOptions:
                    host=found.get("--api-host", DEFAULT_HOST), max_waiting=found.get("--max-waiting", ""),
                    separate_process="--no-api-process" not in words, needs_key="--api-key" in found)
 
-    def argv_and_env(self, port: str | int | None, key: str = "") -> tuple[list[str], dict[str, str]]:
-        """(the serve options, the environment additions) for the form's ``port`` and ``key``."""
+    def argv_and_env(self, port: str | int | None, key: str = "") -> tuple[list[str], dict[str, str | None]]:
+        """(the serve options, the environment changes: None removes a variable) for the form's ``port`` and
+        ``key``. The dashboard's own ``CHUNKSCOPE_API_KEY`` never reaches an engine the form gave no key."""
         text = "" if port is None else str(port).strip()
         if not text:
-            return [], {}
+            return [], {API_KEY_ENV: None}
         if not _DIGITS.fullmatch(text) or int(text) > 65535:
             raise ApiOptionError(f"API port {_shown(text)} is not a port number (0-65535; 0: any free port), "
                                  "or leave it blank")
@@ -56,12 +67,14 @@ class ApiOptions:
         if self.needs_key and not key:
             raise ApiOptionError("the run required an API key (its recorded command line hides it): type it, "
                                  "or clear the API port to start without the API")
+        if key and (not key.strip() or not key.isprintable()):
+            raise ApiOptionError("the API key must be printable text (no control characters), not blank")
         argv = ["--api-port", str(int(text)), "--api-host", self.host]
         if _DIGITS.fullmatch(self.max_waiting):
             argv += ["--max-waiting", self.max_waiting]
         if not self.separate_process:
             argv.append("--no-api-process")
-        return argv, ({API_KEY_ENV: key} if key else {})
+        return argv, {API_KEY_ENV: key or None}
 
 
 def _shown(text: str) -> str:

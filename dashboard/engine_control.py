@@ -106,9 +106,9 @@ def engine_status(paths: RunPaths) -> EngineStatus:
     return EngineStatus(True, pid, argv, f"engine running as pid {pid}")
 
 
-def launch(paths: RunPaths, argv: list[str], env: dict[str, str] | None = None) -> int:
-    """Start ``argv`` in the background in its own session (``env``: added to this process's
-    environment); record it in the pid file."""
+def launch(paths: RunPaths, argv: list[str], env: dict[str, str | None] | None = None) -> int:
+    """Start ``argv`` in the background in its own session (``env``: changes to this process's
+    environment, None removing a variable); record it in the pid file."""
     status = engine_status(paths)
     if status.is_running:
         raise EngineControlError(f"an engine is already running (pid {status.pid}); stop it first")
@@ -116,11 +116,18 @@ def launch(paths: RunPaths, argv: list[str], env: dict[str, str] | None = None) 
     with open(paths.engine_log, "ab") as log:
         proc = subprocess.Popen(argv, cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, **env} if env else None)
+                                env=_environment(env))
     tmp = paths.pid_file.with_suffix(".tmp")
     tmp.write_text(json.dumps({"pid": proc.pid, "argv": argv, "started_at": time.time()}))
     os.replace(tmp, paths.pid_file)
     return proc.pid
+
+
+def _environment(changes: dict[str, str | None] | None) -> dict[str, str] | None:
+    if not changes:
+        return None
+    env = {**os.environ, **{k: v for k, v in changes.items() if v is not None}}
+    return {k: v for k, v in env.items() if changes.get(k, "") is not None}
 
 
 def start_engine(paths: RunPaths, model: str = "tiny", workload: str = "synthetic", rate: float = 4.0,

@@ -30,10 +30,17 @@ _ABS_PATH = re.compile(r"(?<![\w.~/-])(?:/[^\s'\"`,;=()\[\]{}]+|[A-Za-z]:\\[^\s'
 _HOME_PATH = re.compile(r"(?<![\w./-])~/[^\s'\"`,;=()\[\]{}]*")
 
 
+# A variable whose name has one of these words (split at "_") is a secret: named, never its value
+# (CHUNKSCOPE_API_KEY; not CHUNKSCOPE_MAX_PREFILL_TOKENS).
+SECRET_NAME_PARTS = frozenset({"KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD"})
+REDACTED = "<redacted>"
+
+
 def allowed_environment(environ: Mapping[str, str], run_dir: Path) -> dict[str, str]:
-    """The allow-listed variables, values sanitized like every other string."""
+    """The allow-listed variables, values sanitized like every other string; a secret's value redacted."""
     kept = {k: v for k, v in environ.items() if k in ENV_ALLOW_LIST or k.startswith(ENV_ALLOW_PREFIXES)}
-    return {k: sanitize_text(kept[k], run_dir) for k in sorted(kept)}
+    return {k: REDACTED if SECRET_NAME_PARTS & set(k.upper().split("_")) else sanitize_text(kept[k], run_dir)
+            for k in sorted(kept)}
 
 
 def _relative_or_basename(text: str, run_dir: Path) -> str:

@@ -97,4 +97,4 @@ def restart_settings(run: dict) -> StartSettings:
     except (TypeError, ValueError):
         rate = 4.0
     rate = rate if 0.1 <= rate <= engine_control.MAX_RATE else 4.0
-    return StartSettings(model, kind, rate, ApiOptions.from_command_line(run.get("command_line")))
+    return StartSettings(model, kind, rate, ApiOptions.from_run(run))

@@ -27,17 +27,29 @@ REDACTED = "<redacted>"
 
 def redacted_command_line(argv: list[str]) -> list[str]:
     """``argv`` with the API key's value replaced: the command line goes into the run's row and its
-    bundles, and a bug report must not carry the key."""
+    bundles, and a bug report must not carry the key. argparse takes any unambiguous prefix
+    (``--api-k``, ``--api-ke=K``), so every spelling of the option counts."""
     out, hide_next = [], False
     for word in argv:
+        name, eq, _ = word.partition("=")
+        is_key_option = len(name) >= len("--api-k") and "--api-key".startswith(name)
         if hide_next:
             out.append(REDACTED)
-        elif word.startswith("--api-key="):
-            out.append("--api-key=" + REDACTED)
+        elif is_key_option and eq:
+            out.append(f"{name}={REDACTED}")
         else:
             out.append(word)
-        hide_next = word == "--api-key"
+        hide_next = is_key_option and not eq
     return out
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """``--api-key``, else ``$CHUNKSCOPE_API_KEY``, else None; an empty one is refused (it would serve an
+    open API where the user meant a closed one)."""
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    if key is not None and not key.strip():
+        raise ValueError(f"the API key is empty (--api-key or ${API_KEY_ENV}): give a key, or neither for an open API")
+    return key
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -123,7 +135,7 @@ def frontend_config(args: argparse.Namespace, setup) -> FrontendConfig:
                           eos_ids=frozenset(setup.scheduler.eos_ids), tool_call_start_id=model.tool_call_start_id,
                           tool_call_end_id=model.tool_call_end_id, think_end_id=getattr(model, "think_end_id", None),
                           eos_token_id=getattr(model, "eos_token_id", None), host=args.api_host, port=args.api_port,
-                          api_key=args.api_key or os.environ.get(API_KEY_ENV) or None, max_waiting=args.max_waiting,
+                          api_key=api_key(args), max_waiting=args.max_waiting,
                           images=setup.scheduler.images.policy(setup.tokenizer) if setup.scheduler.images else None)
 
 

@@ -22,7 +22,7 @@ from engine.multimodal.image_store import IMAGES_DIR, ImageStore
 from engine.distributed import launch, serve_ranks
 from engine.distributed.group import StartMismatch
 from engine.distributed.worker import EXIT_RANK_FAILURE
-from engine.api.launch import start_api
+from engine.api.launch import api_key, start_api
 from engine.serve.driver import ApiInbox, LeverFile, TickDriver, TimedArrivals, submit_spec
 from engine.serve.engine_setup import EngineSetup, build_engine, log_roofline, run_started_row
 from engine.cli.kv_cache_args import kv_cache_options
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     stop = _install_stop_handlers()
     api = start_api(args, setup, lambda: writer.num_dropped if writer is not None else 0)
     if api is not None:
-        feed.describe_api(api.url)
+        feed.describe_api(api.url, key_required=api_key(args) is not None)
     if not args.no_telemetry:
         writer, telemetry_error = _open_telemetry(db_path, setup, args, feed)
     sched = setup.scheduler

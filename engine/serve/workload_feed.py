@@ -67,9 +67,12 @@ class WorkloadFeed:
     def describe(self) -> dict[str, Any]:
         return dict(self._description)
 
-    def describe_api(self, url: str) -> None:
-        """The run also serves API requests at ``url`` (shown with the workload)."""
+    def describe_api(self, url: str, key_required: bool = False) -> None:
+        """The run also serves API requests at ``url`` (shown with the workload); ``key_required``: it
+        asks for an API key (recorded as a fact, never the key: a dashboard restart asks for it again)."""
         self._description["api"] = url
+        if key_required:
+            self._description["api_key_required"] = True
 
     @property
     def is_exhausted(self) -> bool:

@@ -115,7 +115,17 @@ def test_the_api_options_carry_over_and_a_bad_port_host_or_missing_key_is_refuse
     assert env == {"CHUNKSCOPE_API_KEY": "s3cret"} and "s3cret" not in argv   # the key never on a command line
     with pytest.raises(ApiOptionError, match="required an API key"):
         recorded.argv_and_env("8000")
-    assert recorded.argv_and_env("") == ([], {})                             # no API: no key needed
+    assert recorded.argv_and_env("") == ([], {"CHUNKSCOPE_API_KEY": None})  # no API: no key, none inherited
+    assert ApiOptions().argv_and_env("8000")[1] == {"CHUNKSCOPE_API_KEY": None}   # not the dashboard's own key
+    # A restart of a restart: the key came from the environment, so only the run's workload says it was needed.
+    again = ApiOptions.from_run({"command_line": "serve --api-port 8000",
+                                 "workload": {"kind": "chat", "api_key_required": True}})
+    assert again.needs_key and ApiOptions.from_command_line("serve --api-k <redacted> --api-port 1").needs_key
+    with pytest.raises(ApiOptionError, match="required an API key"):
+        again.argv_and_env("8000")
+    for bad_key in ("a\0b", "line\nbreak", "   "):
+        with pytest.raises(ApiOptionError, match="printable"):
+            ApiOptions().argv_and_env("8000", key=bad_key)
     assert ApiOptions().argv_and_env("0")[0][:2] == ["--api-port", "0"]       # 0: any free port, as serve takes it
     for bad in ("65536", "80a", "-1", "８０００", "1_000", "9" * 5000):
         with pytest.raises(ApiOptionError, match="not a port number") as caught:

@@ -240,3 +240,13 @@ def test_export_cli(run_dir, capsys):
                            "--run", "1", "--until-s", "0.5"]) == 0
     with open_bundle(out) as opened:
         assert opened.run_id == 1 and opened.manifest["time_range"]["until_ns"] == 500 * MS
+
+
+def test_a_secret_variable_is_named_in_the_manifest_never_its_value(tmp_path):
+    from telemetry.manifest import REDACTED, allowed_environment
+
+    env = {"CHUNKSCOPE_API_KEY": "s3cret", "CHUNKSCOPE_HF_TOKEN": "t0k", "CHUNKSCOPE_MAX_PREFILL_TOKENS": "128",
+           "CHUNKSCOPE_DB_PASSWORD": "pw", "HOME": "/root"}
+    assert allowed_environment(env, tmp_path) == {
+        "CHUNKSCOPE_API_KEY": REDACTED, "CHUNKSCOPE_DB_PASSWORD": REDACTED, "CHUNKSCOPE_HF_TOKEN": REDACTED,
+        "CHUNKSCOPE_MAX_PREFILL_TOKENS": "128"}
