@@ -13,7 +13,7 @@ from torch import nn
 
 from engine.cache.kv_store import KVStore
 from engine.kernels import custom_ops, paged_attention
-from engine.model.batch import PackedBatch
+from engine.model.batch import DecodeGroup, PackedBatch
 from engine.model.config import ModelConfig
 from engine.model.layers import FusedLinear, PartialRotary
 from engine.model.norms import ZeroCenteredRMSNorm
@@ -73,10 +73,9 @@ class GatedAttention(nn.Module):
             if out is not None:  # [B, H * D]
                 return self.fused_o(out) if self.fused_o is not None else self.o_proj(out)
         kv.write(self.layer_id, batch.kv_slots, k, v)
-        if batch.decode is None and getattr(batch, "ssm_row_states", None) is not None and type(kv) is KVStore:
+        if batch.decode is None and getattr(batch, "ssm_row_states", None) is not None:
             out = self._verify_attention(q, gate, batch, kv)   # a speculative verify (engine/spec/verify.py)
-            if out is not None:
-                return self.fused_o(out) if self.fused_o is not None else self.o_proj(out)
+            return self.fused_o(out) if self.fused_o is not None else self.o_proj(out)
 
         outputs = []  # gated [rows, H * D]: prefill rows, then decode rows
         split = batch.num_prefill_tokens
@@ -101,21 +100,26 @@ class GatedAttention(nn.Module):
                                          group.context_lens, gate)
             if out is not None:
                 return out
-        out = self._decode_attention(q, batch, kv) * torch.sigmoid(gate)  # [B, H, D]
+        out = self._decode_attention(q, group, kv) * torch.sigmoid(gate)  # [B, H, D]
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
     def _verify_attention(self, q: torch.Tensor, gate: torch.Tensor, batch: PackedBatch,
-                          kv: KVStore) -> torch.Tensor | None:
-        """A speculative verify's rows q, gate [L, H, D] -> [L, H * D], or None where the kernel does not run.
-
-        Row i attends as the decode step at its position would: through the decode kernel, over
-        positions 0 .. start + i. SDPA over the segment rounds differently, and in bf16 that flipped
-        near-tied tokens, so a speculative run's greedy tokens differed from a plain one's.
+                          kv: KVStore) -> torch.Tensor:
+        """A speculative verify's rows q, gate [L, H, D] -> [L, H * D], row i attending as the decode step at
+        its position would (over positions 0 .. start + i), by the path decode takes: the native kernel on
+        a plain store, else the gathered SDPA. SDPA over the segment rounds differently, and in bf16 that
+        flipped near-tied tokens, so a speculative run's greedy tokens differed from a plain one's.
         """
         seg = batch.prefill
         tables = seg.block_ids[None].expand(seg.length, -1).contiguous()  # [L, W]: every row the sequence's blocks
         lens = torch.arange(seg.start + 1, seg.start + seg.length + 1, device=q.device)  # [L]
-        return paged_attention.decode(q, kv.keys[self.layer_id], kv.values[self.layer_id], tables, lens, gate)
+        rows = DecodeGroup(ssm_slots=lens.new_zeros(seg.length), block_tables=tables, context_lens=lens)
+        if type(kv) is KVStore:
+            out = paged_attention.decode(q, kv.keys[self.layer_id], kv.values[self.layer_id], tables, lens, gate)
+            if out is not None:
+                return out
+        out = self._decode_attention(q, rows, kv) * torch.sigmoid(gate)  # [L, H, D]
+        return out.reshape(seg.length, self.num_heads * self.head_dim)
 
     def _prefill_attention(self, q: torch.Tensor, batch: PackedBatch, kv: KVStore) -> torch.Tensor:
         seg = batch.prefill
@@ -134,8 +138,7 @@ class GatedAttention(nn.Module):
             out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, enable_gqa=True)
         return out[0].transpose(0, 1)  # [L, H, D]
 
-    def _decode_attention(self, q: torch.Tensor, batch: PackedBatch, kv: KVStore) -> torch.Tensor:
-        group = batch.decode
+    def _decode_attention(self, q: torch.Tensor, group: DecodeGroup, kv: KVStore) -> torch.Tensor:
         keys, values = kv.gather(self.layer_id, group.block_tables)  # [B, S, Hkv, D]
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hkv, S, D]
         visible = group.visible  # [B, 1, 1, S]

@@ -32,3 +32,19 @@ def test_speculation_keeps_the_plain_greedy_tokens_past_a_near_tie(moe_and_promp
         plain = generate(model, tokenizer, prompt, params())
         drafted = generate_speculative(model, tokenizer, prompt, params(), kind, 2)
     assert drafted["tokens"] == plain["tokens"] and drafted["spec"]["accepted"] > 0
+
+
+@pytest.mark.parametrize("kind", ["mtp", "ngram", "self"])
+def test_with_a_quantized_cache_verify_rows_take_decodes_gathered_path_too(kind):
+    """InnerQ-8 K/V: no native kernel, decode gathers and runs SDPA per row; verify rows do the same. On
+    SDPA over the segment, tiny-chat's 17th chat request in bf16 left the plain tokens at its 16th token."""
+    directory = checkpoint_dir_of("tiny-chat")
+    model, _, tokenizer = load_model(directory, dtype=torch.bfloat16)
+    workload = ChatWorkload(tokenizer=tokenizer, template=ChatTemplate.for_checkpoint(directory), num_requests=17,
+                            seed=0)
+    prompt, kv_cache = list(workload.requests()[16].prompt_tokens), {"kv_cache_dtype": "innerq8"}
+    params = lambda: SamplingParams(temperature=0.0, max_tokens=40)  # noqa: E731
+    with torch.no_grad():
+        plain = generate(model, tokenizer, prompt, params(), kv_cache=kv_cache)
+        drafted = generate_speculative(model, tokenizer, prompt, params(), kind, 2, kv_cache=kv_cache)
+    assert drafted["tokens"] == plain["tokens"]
