@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -206,8 +207,9 @@ def main() -> int:
 
     requests, facts = copy_requests(setup, template, args.copy_requests, args.seed)
     done = run_all(setup, requests, desc="copies")
-    copied = sum(all(f in setup.tokenizer.decode(q.output_tokens).split("</think>")[-1] for f in want)
-                 for q, want in zip(done, facts))
+    answers = [setup.tokenizer.decode(q.output_tokens).split("</think>")[-1] for q in done]
+    copied = sum(all(re.search(rf"(?<!\w){re.escape(f)}(?!\w)", answer) for f in want)   # 7 is not in 17
+                 for answer, want in zip(answers, facts))
     print(f"copies (no bar): the answer repeats the question's name / number / city and weather in "
           f"{copied}/{len(done)} greedy requests")
 
