@@ -15,6 +15,7 @@ from engine.api.metrics import EngineMetrics
 from engine.api.wire import FrontendConfig, Ready
 from telemetry import events as ev
 from telemetry.cli_args import bounded_int
+from telemetry.manifest import REDACTED   # the marker bundles use for any secret
 
 log = logging.getLogger("chunkscope.api")
 DEFAULT_MAX_WAITING = 256
@@ -22,7 +23,6 @@ FIRST_TOKEN_EVENT = "first_token"   # the RequestEvent kind engine/scheduler/out
 
 
 API_KEY_ENV = "CHUNKSCOPE_API_KEY"   # the key without putting it on the command line (how the dashboard passes it)
-REDACTED = "<redacted>"
 
 
 def redacted_command_line(argv: list[str]) -> list[str]:
