@@ -113,11 +113,11 @@ class GatedAttention(nn.Module):
         seg = batch.prefill
         tables = seg.block_ids[None].expand(seg.length, -1).contiguous()  # [L, W]: every row the sequence's blocks
         lens = torch.arange(seg.start + 1, seg.start + seg.length + 1, device=q.device)  # [L]
-        rows = DecodeGroup(ssm_slots=lens.new_zeros(seg.length), block_tables=tables, context_lens=lens)
         if type(kv) is KVStore:
             out = paged_attention.decode(q, kv.keys[self.layer_id], kv.values[self.layer_id], tables, lens, gate)
             if out is not None:
                 return out
+        rows = DecodeGroup(ssm_slots=lens.new_zeros(seg.length), block_tables=tables, context_lens=lens)
         out = self._decode_attention(q, rows, kv) * torch.sigmoid(gate)  # [L, H, D]
         return out.reshape(seg.length, self.num_heads * self.head_dim)
 
