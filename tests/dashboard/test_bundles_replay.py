@@ -1,6 +1,7 @@
 """Bundle export from the Runs page and the replay divergence check (a real ``engine replay`` subprocess)."""
 import os
 import zipfile
+from pathlib import Path
 
 import pytest
 from test_real_run import frame_by_key
@@ -180,18 +181,9 @@ def test_the_replay_check_reports_its_progress_tick_by_tick(real_run_dir):
 
 def _replays_of_ours() -> list[int]:
     """Our live child processes running ``engine replay``."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = open(f"/proc/{entry}/stat").read()
-            cmdline = open(f"/proc/{entry}/cmdline", "rb").read().replace(b"\0", b" ")
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid() and b"engine replay" in cmdline:
-            found.append(int(entry))
-    return found
+    pid = os.getpid()
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(c) for c in children if b"engine replay" in Path(f"/proc/{c}/cmdline").read_bytes().replace(b"\0", b" ")]
 
 
 def test_a_replay_the_page_leaves_or_that_times_out_is_killed_not_orphaned(real_run_dir):
